@@ -1,0 +1,86 @@
+"""The public entry points: one function for the forward pass, one for the backward pass.
+
+Both validate every argument in :mod:`lightning_edu.validation` and hand the normalised arguments to a
+backend module, which defines ``forward_from_args(args) -> (o, final_state)`` and
+``backward_from_args(args, d_final_state) -> (dq, dk, dv, d_initial_state)``:
+
+========  ==========================================  ==========
+backend   module                                      chapter
+========  ==========================================  ==========
+numpy     :mod:`lightning_edu.numpy_blockwise`        04-05
+torch     :mod:`lightning_edu.torch_chunked`          06
+triton    :mod:`lightning_edu.triton_kernels`         07-08
+========  ==========================================  ==========
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .validation import AttentionArgs, validate_attention_args
+
+__all__ = ["lightning_attention", "lightning_attention_backward"]
+
+_MODULES = {
+    "numpy": "lightning_edu.numpy_blockwise",
+    "torch": "lightning_edu.torch_chunked",
+    "triton": "lightning_edu.triton_kernels",
+}
+
+
+def _backend(args: AttentionArgs):
+    return importlib.import_module(_MODULES[args.backend])
+
+
+def lightning_attention(
+    q,
+    k,
+    v,
+    decay=1.0,
+    *,
+    backend: str = "auto",
+    block_size: int | None = None,
+    initial_state=None,
+    return_state: bool = False,
+):
+    """Causal linear attention with decay, the function this whole book computes.
+
+    Per batch and head: ``KV_0 = initial_state`` (zeros if None), ``KV_t = lambda KV_{t-1} + k_t^T v_t``
+    for t = 1..n, ``o_t = q_t KV_t``.
+
+    q, k: (batch, heads, n, d_k); v: (batch, heads, n, d_v); decay: lambda in (0, 1], a float or one value
+    per head; initial_state: (batch, heads, d_k, d_v). ``backend`` is "numpy" (float64, numpy arrays),
+    "torch", "triton" or "auto" (numpy for numpy arrays, triton for CUDA tensors, torch otherwise).
+    Returns o (batch, heads, n, d_v), or (o, KV_n) with ``return_state=True``.
+    """
+    args = validate_attention_args(
+        q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state
+    )
+    out, state = _backend(args).forward_from_args(args)
+    return (out, state) if return_state else out
+
+
+def lightning_attention_backward(
+    q,
+    k,
+    v,
+    do,
+    decay=1.0,
+    *,
+    backend: str = "numpy",
+    block_size: int | None = None,
+    initial_state=None,
+    d_final_state=None,
+    return_state_grad: bool = False,
+):
+    """Gradients (dq, dk, dv) of a loss L given ``do`` = dL/do, by the paper's Algorithm 2. (Chapter 05.)
+
+    ``d_final_state`` is dL/dKV_n when the final state was used too; with ``return_state_grad=True`` the
+    result also carries dL/d initial_state: (dq, dk, dv, d_initial_state).
+    """
+    args = validate_attention_args(
+        q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state, do=do,
+        d_final_state=d_final_state,
+    )
+    dq, dk, dv, d_state = _backend(args).backward_from_args(args, d_final_state)
+    return (dq, dk, dv, d_state) if return_state_grad else (dq, dk, dv)

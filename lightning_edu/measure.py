@@ -1,0 +1,102 @@
+"""Measuring on the reader's own machine: median wall time and peak extra memory of one call.
+
+Timings are machine-dependent, so notebooks print them under ``# NBVAL_IGNORE_OUTPUT`` and assert only
+claims with wide margins (a 64x gap, not a 10 % one). GPU timings live in :mod:`lightning_edu.bench`.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+import tracemalloc
+import weakref
+from typing import Callable
+
+__all__ = ["median_time", "peak_memory_numpy", "peak_memory_torch"]
+
+
+def median_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 1, min_time: float = 0.0) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs.
+
+    With ``min_time`` > 0, fast calls are batched so that each measured sample lasts at least that long.
+    """
+    for _ in range(warmup):
+        fn()
+    inner = 1
+    if min_time > 0:
+        start = time.perf_counter()
+        fn()
+        once = max(time.perf_counter() - start, 1e-9)
+        inner = max(1, int(min_time / once))
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - start) / inner)
+    return statistics.median(samples)
+
+
+def peak_memory_numpy(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated while ``fn()`` runs, above what was live before (numpy reports to tracemalloc)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return max(0, peak - base)
+
+
+def peak_memory_torch(fn: Callable[[], object]) -> int:
+    """Peak bytes of tensor storage created by ``fn()`` and alive at the same time (CPU or CUDA).
+
+    Torch's CPU allocator reports to no profiler we can read cheaply, so this counts storages itself: a
+    dispatch mode sees every op's outputs, adds the bytes of each new storage and subtracts them when
+    the storage is freed. Views share storage and are counted once. Inputs are not counted.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    live = {"now": 0, "peak": 0}
+    owners: dict[int, list[int]] = {}  # storage address -> [bytes, number of live tensors using it]
+
+    def release(key: int) -> None:
+        entry = owners[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            live["now"] -= entry[0]
+            del owners[key]
+
+    def track(t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0:
+            return
+        if key not in owners:
+            owners[key] = [storage.nbytes(), 0]
+            live["now"] += storage.nbytes()
+            live["peak"] = max(live["peak"], live["now"])
+        owners[key][1] += 1
+        weakref.finalize(t, release, key)  # tensors are weak-referenceable; storage objects are transient
+
+    class _Tracker(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                track(t)
+            return out
+
+    gc.collect()
+    with _Tracker():
+        result = fn()
+    del result
+    gc.collect()
+    return live["peak"]
+

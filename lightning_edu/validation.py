@@ -1,0 +1,218 @@
+"""The one place where arguments are checked (every public function calls in here).
+
+Each error names the argument, what was expected and what was given, so a reader who passes a
+(batch, seq, heads, dim) tensor by mistake learns exactly which axis is wrong instead of meeting a
+broadcasting error deep inside numpy or, worse, a silently wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+BACKENDS = ("auto", "numpy", "torch", "triton")
+
+__all__ = ["BACKENDS", "AttentionArgs", "validate_attention_args", "validate_decay", "validate_block_size"]
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _kind(x: Any) -> str | None:
+    """'numpy' for numpy arrays, 'torch' for torch tensors, None otherwise."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if type(x).__module__.startswith("torch") and type(x).__name__ in ("Tensor", "Parameter"):
+        return "torch"
+    return None
+
+
+def _describe(x: Any) -> str:
+    kind = _kind(x)
+    if kind == "numpy":
+        return f"numpy.ndarray of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if kind == "torch":
+        return f"torch.Tensor of shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
+    return f"{type(x).__name__}"
+
+
+def _is_float(x: Any) -> bool:
+    if _kind(x) == "numpy":
+        return np.issubdtype(x.dtype, np.floating)
+    return bool(x.is_floating_point())
+
+
+@dataclass(frozen=True)
+class AttentionArgs:
+    """Checked and normalised arguments of one attention call.
+
+    ``decay`` is always a float64 numpy array of shape (heads,), whatever form it was given in.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    decay: np.ndarray
+    backend: str
+    block_size: int | None
+    initial_state: Any
+    do: Any
+    kind: str
+    batch: int
+    heads: int
+    seq_len: int
+    d_k: int
+    d_v: int
+
+
+def validate_block_size(block_size: Any, name: str = "block_size") -> int | None:
+    """None, or a positive Python/numpy integer (bool is refused: True is not a block size)."""
+    if block_size is None:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise TypeError(f"{name} must be a positive integer or None, got {type(block_size).__name__} {block_size!r}")
+    if block_size < 1:
+        raise ValueError(f"{name} must be a positive integer, got {block_size}")
+    return int(block_size)
+
+
+def validate_decay(decay: Any, heads: int | None = None, name: str = "decay") -> np.ndarray:
+    """Return lambda as a float64 array of shape (heads,), checking 0 < lambda <= 1 everywhere.
+
+    ``decay`` may be a Python/numpy number (shared by every head) or a 1-D sequence, numpy array or
+    torch tensor with one value per head.  With ``heads=None`` the number of values is not checked and a
+    scalar gives an array of shape (1,).
+    """
+    if isinstance(decay, bool):
+        raise TypeError(f"{name} must be a float in (0, 1] or one value per head, got bool {decay!r}")
+    if _kind(decay) == "torch":
+        if not decay.is_floating_point():
+            raise TypeError(f"{name} must hold floats in (0, 1], got a tensor of dtype {decay.dtype}")
+        values = decay.detach().to("cpu", dtype=_torch().float64).numpy()
+    elif isinstance(decay, numbers.Real):
+        values = np.asarray(float(decay), dtype=np.float64)
+    else:
+        try:
+            values = np.asarray(decay)
+        except Exception as exc:  # pragma: no cover - exotic inputs
+            raise TypeError(f"{name} must be a float in (0, 1] or one value per head, got {type(decay).__name__}") from exc
+        if values.dtype == object or not (np.issubdtype(values.dtype, np.floating) or np.issubdtype(values.dtype, np.integer)):
+            raise TypeError(f"{name} must be a float in (0, 1] or one value per head, got {type(decay).__name__} of dtype {values.dtype}")
+        values = values.astype(np.float64)
+    if values.ndim == 0:
+        values = np.full(heads if heads is not None else 1, float(values))
+    elif values.ndim != 1:
+        raise ValueError(f"{name} must be a scalar or 1-D with one value per head, got shape {values.shape}")
+    elif heads is not None and values.shape[0] != heads:
+        raise ValueError(f"{name} must have one value per head: expected length {heads}, got length {values.shape[0]}")
+    bad = ~((values > 0) & (values <= 1))  # NaN fails both comparisons
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        where = "" if values.shape[0] == 1 else f" (head {i})"
+        raise ValueError(f"{name} must lie in (0, 1]{where}, got {values[i]!r}")
+    return values
+
+
+def _check_tensor(name: str, x: Any, kind: str | None) -> str:
+    k = _kind(x)
+    if k is None:
+        raise TypeError(f"{name} must be a numpy.ndarray or torch.Tensor, got {_describe(x)}")
+    if kind is not None and k != kind:
+        raise TypeError(f"{name} must be the same array type as q ({kind}), got {_describe(x)}: do not mix numpy and torch")
+    if not _is_float(x):
+        raise TypeError(f"{name} must hold floating-point numbers, got dtype {x.dtype}")
+    return k
+
+
+def _resolve_backend(backend: Any, kind: str, q: Any) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if kind == "numpy":
+            return "numpy"
+        return "triton" if q.is_cuda else "torch"
+    if backend == "numpy" and kind != "numpy":
+        raise TypeError(f"backend='numpy' takes numpy arrays, got q as {_describe(q)}; use backend='torch' or convert with .numpy()")
+    if backend in ("torch", "triton") and kind != "torch":
+        raise TypeError(f"backend={backend!r} takes torch tensors, got q as {_describe(q)}; use backend='numpy' or torch.from_numpy")
+    if backend == "triton" and not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before import for the CPU interpreter), got q on {q.device}"
+        )
+    return backend
+
+
+def validate_attention_args(
+    q: Any,
+    k: Any,
+    v: Any,
+    decay: Any = 1.0,
+    *,
+    backend: Any = "auto",
+    block_size: Any = None,
+    initial_state: Any = None,
+    do: Any = None,
+    d_final_state: Any = None,
+) -> AttentionArgs:
+    """Check every argument of an attention call; return them normalised.
+
+    Shapes: q, k (batch, heads, seq_len, d_k); v and do (batch, heads, seq_len, d_v);
+    initial_state and d_final_state (batch, heads, d_k, d_v). d_k may differ from d_v.
+    """
+    kind = _check_tensor("q", q, None)
+    _check_tensor("k", k, kind)
+    _check_tensor("v", v, kind)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            want = "(batch, heads, seq_len, d_v)" if name == "v" else "(batch, heads, seq_len, d_k)"
+            raise ValueError(f"{name} must be 4-D {want}, got {x.ndim}-D shape {tuple(x.shape)}")
+    batch, heads, seq_len, d_k = (int(s) for s in q.shape)
+    axes = ("batch", "heads", "seq_len")
+    for name, x in (("k", k), ("v", v)):
+        for axis, (want, got) in enumerate(zip(q.shape[:3], x.shape[:3])):
+            if want != got:
+                raise ValueError(f"{name} must match q in {axes[axis]} (axis {axis}): expected {want}, got {got} (shape {tuple(x.shape)})")
+    if k.shape[3] != d_k:
+        raise ValueError(f"k must have the same d_k as q (axis 3): expected {d_k}, got {k.shape[3]}")
+    d_v = int(v.shape[3])
+    if seq_len < 1 or d_k < 1 or d_v < 1 or batch < 1 or heads < 1:
+        raise ValueError(f"every axis must have length >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+    if kind == "torch":
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {x.dtype}")
+            if x.device != q.device:
+                raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
+    lam = validate_decay(decay, heads)
+    block = validate_block_size(block_size)
+    backend = _resolve_backend(backend, kind, q)
+    for name, x, shape in (
+        ("initial_state", initial_state, (batch, heads, d_k, d_v)),
+        ("do", do, (batch, heads, seq_len, d_v)),
+        ("d_final_state", d_final_state, (batch, heads, d_k, d_v)),
+    ):
+        if x is None:
+            continue
+        _check_tensor(name, x, kind)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+        if kind == "torch" and x.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
+    if kind == "torch" and do is not None and do.dtype != q.dtype:
+        raise TypeError(f"do must have the same dtype as q ({q.dtype}), got {do.dtype}")
+    return AttentionArgs(q, k, v, lam, backend, block, initial_state, do, kind, batch, heads, seq_len, d_k, d_v)
+
+
+def check_finite_scalar(name: str, value: Any) -> float:
+    """A finite real number (used by the cost model and the explorer)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite real number, got {value!r}")
+    return float(value)

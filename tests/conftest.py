@@ -1,0 +1,18 @@
+import os
+
+# Triton decides at decoration time whether a kernel runs in its CPU interpreter: set this before any
+# lightning_edu.triton_kernels import. (lightning_edu/__init__ does the same when CUDA is absent.)
+try:
+    import torch
+
+    _has_cuda = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _has_cuda = False
+if not _has_cuda:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import settings
+
+# CI has 2 cores; keep property tests quick and free of flaky deadlines.
+settings.register_profile("ci", max_examples=40, deadline=None)
+settings.load_profile("ci")
