@@ -12,7 +12,10 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Chapter", "repo_root", "load_config", "chapters", "chapter_table"]
+__all__ = [
+    "Chapter", "repo_root", "load_config", "chapters", "chapter_table",
+    "setup_notebook", "show_source", "load_recorded", "describe_recorded",
+]
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,57 @@ def write_mdbook_sources(root: Path | None = None) -> Path:
         summary.append(f"- [{ch.title}](./{name})")
     (src / "SUMMARY.md").write_text("\n".join(summary) + "\n")
     return src
+
+
+def setup_notebook() -> str:
+    """First code cell of every chapter: configure and report where code runs. Returns "cuda" or "cpu".
+
+    Importing lightning_edu sets TRITON_INTERPRET=1 when there is no CUDA device, before any Triton
+    kernel is defined, so kernels run in Triton's CPU interpreter (fp32/fp16 only there).
+    """
+    import os
+
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import torch
+
+    import lightning_edu  # noqa: F401  (configures the interpreter)
+
+    np.set_printoptions(precision=4, suppress=False, linewidth=100)
+    plt.rcParams.update({"figure.dpi": 100, "savefig.dpi": 100, "axes.titlesize": 11, "font.size": 10})
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mode = "GPU kernels" if device == "cuda" else f"Triton CPU interpreter (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')})"
+    print(f"device: {device}; Triton runs as: {mode}")
+    return device
+
+
+def show_source(obj) -> object:
+    """Display the source of a package function or class, syntax-highlighted (the book never copies code)."""
+    import inspect
+
+    from IPython.display import Code
+
+    return Code(inspect.getsource(obj), language="python")
+
+
+def load_recorded(name: str, root: Path | None = None) -> dict:
+    """A recorded GPU measurement from notebooks/data/<name>.json (machine, command, date, results)."""
+    import json
+
+    root = root or repo_root()
+    path = root / load_config(root)["lightning-edu"]["notebook-dir"] / "data" / f"{name}.json"
+    with open(path) as f:
+        data = json.load(f)
+    for key in ("machine", "command", "date", "results"):
+        if key not in data:
+            raise ValueError(f"{path} lacks the key {key!r}: recorded data must say where and how it was measured")
+    return data
+
+
+def describe_recorded(data: dict) -> str:
+    """One line naming where a recorded measurement came from, printed above its plot."""
+    versions = ", ".join(f"{k} {data[k]}" for k in ("torch", "triton", "driver") if k in data)
+    return f"Recorded on {data['machine']} on {data['date']} ({versions}) by: {data['command']}"
 
 
 if __name__ == "__main__":
