@@ -17,7 +17,7 @@ import numpy as np
 
 BACKENDS = ("auto", "numpy", "torch", "triton")
 
-__all__ = ["BACKENDS", "AttentionArgs", "validate_attention_args", "validate_decay", "validate_block_size"]
+__all__ = ["BACKENDS", "AttentionArgs", "validate_attention_args", "validate_decay", "validate_block_size", "validate_choice"]
 
 
 def _torch():
@@ -216,3 +216,10 @@ def check_finite_scalar(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise TypeError(f"{name} must be a finite real number, got {value!r}")
     return float(value)
+
+
+def validate_choice(name: str, value: Any, choices: tuple) -> str:
+    """One of a fixed set of strings (e.g. ``scan`` in ("sequential", "log")); the error lists them."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
