@@ -107,7 +107,8 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay") ->
         if values.dtype == object or not (np.issubdtype(values.dtype, np.floating) or np.issubdtype(values.dtype, np.integer)):
             raise TypeError(f"{name} must be a float in (0, 1] or one value per head, got {type(decay).__name__} of dtype {values.dtype}")
         values = values.astype(np.float64)
-    if values.ndim == 0:
+    scalar = values.ndim == 0
+    if scalar:
         values = np.full(heads if heads is not None else 1, float(values))
     elif values.ndim != 1:
         raise ValueError(f"{name} must be a scalar or 1-D with one value per head, got shape {values.shape}")
@@ -116,8 +117,8 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay") ->
     bad = ~((values > 0) & (values <= 1))  # NaN fails both comparisons
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        where = "" if values.shape[0] == 1 else f" (head {i})"
-        raise ValueError(f"{name} must lie in (0, 1]{where}, got {values[i]!r}")
+        where = "" if scalar or values.shape[0] == 1 else f" (head {i})"  # a shared scalar belongs to no one head
+        raise ValueError(f"{name} must lie in (0, 1]{where}, got {float(values[i])!r}")  # float: no np.float64(...) in the message
     return values
 
 
