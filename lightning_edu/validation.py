@@ -17,7 +17,7 @@ import numpy as np
 
 BACKENDS = ("auto", "numpy", "torch", "triton")
 
-__all__ = ["BACKENDS", "AttentionArgs", "validate_attention_args", "validate_decay", "validate_block_size", "validate_choice"]
+__all__ = ["BACKENDS", "AttentionArgs", "validate_attention_args", "validate_decay", "validate_block_size", "validate_choice", "validate_positive_int"]
 
 
 def _torch():
@@ -224,3 +224,12 @@ def validate_choice(name: str, value: Any, choices: tuple) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def validate_positive_int(name: str, value: Any) -> int:
+    """A positive Python/numpy integer (bool refused), e.g. n, d_k, batch in the cost model. Returns int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a positive integer, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer (>= 1), got {value}")
+    return int(value)
