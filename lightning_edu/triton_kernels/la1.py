@@ -1,0 +1,307 @@
+"""Lightning Attention-1: the tiled *left* product with the decay mask, the paper's comparison point.
+(Chapters 07-08.)
+
+Per batch and head, o = [(Q K^T) * M] V with M[t, s] = lambda^(t-s) for t >= s, else 0 -- the masked
+left product of chapter 03, computed the way FlashAttention computes softmax attention, minus the softmax:
+one program per (query block, batch*head) walks the key blocks up to the diagonal and accumulates
+
+    O_i += [(Q_i K_j^T) * D_ij] V_j,    D_ij[r, s] = lambda^((i B_M + r) - (j B_N + s))  (0 above the diagonal)
+
+in an fp32 tile on chip. Nothing of size n x n ever reaches HBM, but the work is still O(n^2 d): every
+query block meets every earlier key block. That quadratic work is what Lightning Attention-2 removes.
+
+The decay tile is ``exp2(log2(lambda) * distance)`` with a distance that is never negative (entries
+above the diagonal are set to 0 by the mask, not by a negative power), so nothing overflows for any
+lambda in (0, 1]; lambda = 1 gives exp2(0) = 1 exactly.
+
+Backward, with P = (Q K^T) * D (no softmax, so no row statistics to keep):
+dV = P^T dO,  dP = dO V^T,  dS = dP * D,  dQ = dS K,  dK = dS^T Q.
+dQ is one program per query block looping over key blocks up to the diagonal; dK and dV are one program
+per key block looping over the query blocks from the diagonal to the end of the sequence.
+
+Precision: tiles are loaded in the input dtype (fp32, fp16 or bf16); ``tl.dot`` takes its operands in
+that dtype and accumulates in fp32 (fp16/bf16 run on the tensor cores; fp32 dots are asked for in full
+IEEE precision, not tf32, so that fp32 results agree with float64 to about 1e-6); the decay tile, the
+masking and every accumulator are fp32. Outputs are stored in the input dtype.
+
+The sequence length is a runtime argument (a new n does not recompile); head dims are compile-time
+constants padded to powers of two >= 16, with masks, so d_k != d_v and d in {16, 32, 64, 128} all work.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..validation import validate_attention_args, validate_block_size
+
+__all__ = [
+    "la1_forward_kernel", "la1_backward_dq_kernel", "la1_backward_dkdv_kernel",
+    "la1_forward", "la1_backward", "LA1Function", "la1_attention", "LA1_DTYPES",
+]
+
+LA1_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _decay_tile(log2_lambda, rows, cols, n):
+    """D[r, s] = lambda^(rows[r] - cols[s]) where rows[r] >= cols[s] and both are inside the sequence, else 0.
+
+    The exponent is clamped at 0 before exp2, so no negative power (lambda^-x overflows) is ever formed.
+    """
+    distance = rows[:, None] - cols[None, :]
+    keep = (distance >= 0) & (rows[:, None] < n) & (cols[None, :] < n)
+    power = tl.exp2(log2_lambda * tl.maximum(distance, 0).to(tl.float32))
+    return tl.where(keep, power, 0.0)
+
+
+@triton.jit
+def la1_forward_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, decay_ptr,
+    n, heads,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    D_K: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program: rows [i*BLOCK_M, (i+1)*BLOCK_M) of o for one (batch, head). Last axis contiguous."""
+    block_i = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    log2_lambda = tl.log2(tl.load(decay_ptr + h))
+
+    rows = block_i * BLOCK_M + tl.arange(0, BLOCK_M)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < n
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + dk[None, :],
+                mask=row_ok[:, None] & (dk[None, :] < D_K), other=0.0)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+    # Causality: key blocks past this query block's last row contribute nothing, so the loop stops there.
+    end = tl.minimum((block_i + 1) * BLOCK_M, n)
+    for start in range(0, end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        # K_j^T is loaded already transposed, (BLOCK_DK, BLOCK_N), so the dot needs no register shuffle.
+        kt = tl.load(k_base + cols[None, :] * stride_kn + dk[:, None],
+                     mask=col_ok[None, :] & (dk[:, None] < D_K), other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + dv[None, :],
+                    mask=col_ok[:, None] & (dv[None, :] < D_V), other=0.0)
+        scores = tl.dot(q, kt, input_precision=DOT_PRECISION)  # fp32 (BLOCK_M, BLOCK_N)
+        p = scores * _decay_tile(log2_lambda, rows, cols, n)
+        acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + dv[None, :],
+             acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < D_V))
+
+
+@triton.jit
+def la1_backward_dq_kernel(
+    k_ptr, v_ptr, do_ptr, dq_ptr, decay_ptr,
+    n, heads,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dqb, stride_dqh, stride_dqn,
+    D_K: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dQ_i = sum over key blocks j <= i of [(dO_i V_j^T) * D_ij] K_j: the forward loop with V and dO swapped in."""
+    block_i = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    log2_lambda = tl.log2(tl.load(decay_ptr + h))
+
+    rows = block_i * BLOCK_M + tl.arange(0, BLOCK_M)
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    row_ok = rows < n
+    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + dv[None, :],
+                 mask=row_ok[:, None] & (dv[None, :] < D_V), other=0.0)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_DK), dtype=tl.float32)
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+    end = tl.minimum((block_i + 1) * BLOCK_M, n)
+    for start in range(0, end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        vt = tl.load(v_base + cols[None, :] * stride_vn + dv[:, None],
+                     mask=col_ok[None, :] & (dv[:, None] < D_V), other=0.0)
+        k = tl.load(k_base + cols[:, None] * stride_kn + dk[None, :],
+                    mask=col_ok[:, None] & (dk[None, :] < D_K), other=0.0)
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)  # dP = dO V^T, fp32 (BLOCK_M, BLOCK_N)
+        ds = dp * _decay_tile(log2_lambda, rows, cols, n)
+        acc += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+    tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dk[None, :],
+             acc.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (dk[None, :] < D_K))
+
+
+@triton.jit
+def la1_backward_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, decay_ptr,
+    n, heads,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    D_K: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program per key block j: dV_j = sum_{i >= j} P_ij^T dO_i and dK_j = sum_{i >= j} dS_ij^T Q_i.
+
+    Works with transposed tiles (keys as rows), so P^T and dS^T come straight out of the dots.
+    """
+    block_j = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    log2_lambda = tl.log2(tl.load(decay_ptr + h))
+
+    cols = block_j * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions: the rows of every tile here
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    col_ok = cols < n
+    k = tl.load(k_ptr + b * stride_kb + h * stride_kh + cols[:, None] * stride_kn + dk[None, :],
+                mask=col_ok[:, None] & (dk[None, :] < D_K), other=0.0)
+    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols[:, None] * stride_vn + dv[None, :],
+                mask=col_ok[:, None] & (dv[None, :] < D_V), other=0.0)
+
+    acc_dk = tl.zeros((BLOCK_N, BLOCK_DK), dtype=tl.float32)
+    acc_dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
+    q_base = q_ptr + b * stride_qb + h * stride_qh
+    do_base = do_ptr + b * stride_dob + h * stride_doh
+    # Causality: only queries at or after this key block see it; start at the query block holding its first row.
+    first = (block_j * BLOCK_N // BLOCK_M) * BLOCK_M
+    for start in range(first, n, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < n
+        qt = tl.load(q_base + rows[None, :] * stride_qn + dk[:, None],
+                     mask=row_ok[None, :] & (dk[:, None] < D_K), other=0.0)
+        dot_ = tl.load(do_base + rows[None, :] * stride_don + dv[:, None],
+                       mask=row_ok[None, :] & (dv[:, None] < D_V), other=0.0)
+        # D^T[s, r] = lambda^(row r - key s): the same tile as the forward, transposed.
+        decay_t = tl.trans(_decay_tile(log2_lambda, rows, cols, n))
+        pt = tl.dot(k, qt, input_precision=DOT_PRECISION) * decay_t  # P^T (BLOCK_N, BLOCK_M)
+        dst = tl.dot(v, dot_, input_precision=DOT_PRECISION) * decay_t  # dS^T = (V dO^T) * D^T
+        acc_dv += tl.dot(pt.to(dot_.dtype), tl.trans(dot_), input_precision=DOT_PRECISION)
+        acc_dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
+
+    tl.store(dk_ptr + b * stride_dkb + h * stride_dkh + cols[:, None] * stride_dkn + dk[None, :],
+             acc_dk.to(dk_ptr.dtype.element_ty), mask=col_ok[:, None] & (dk[None, :] < D_K))
+    tl.store(dv_ptr + b * stride_dvb + h * stride_dvh + cols[:, None] * stride_dvn + dv[None, :],
+             acc_dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None] & (dv[None, :] < D_V))
+
+
+def _head_block(d: int) -> int:
+    # tl.dot wants every side >= 16 and a power of two; padded columns are masked to 0 on load.
+    return max(16, triton.next_power_of_2(d))
+
+
+def _prepare(q, k, v, decay, block_size, do=None):
+    """Validate, make the last axis contiguous, turn lambda into a float32 (heads,) tensor on q's device."""
+    args = validate_attention_args(q, k, v, decay, backend="triton", block_size=block_size, do=do)
+    if q.dtype not in LA1_DTYPES:
+        raise TypeError(f"q must be float32, float16 or bfloat16 for the Triton kernels, got {q.dtype}")
+    block = args.block_size or (64 if q.is_cuda else 16)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block_size must be a power of two >= 16 for the Triton kernels, got {block}")
+    if max(args.d_k, args.d_v) > 256:
+        raise ValueError(f"head dims up to 256 are supported, got d_k = {args.d_k}, d_v = {args.d_v}")
+    decay_t = torch.as_tensor(args.decay, dtype=torch.float32, device=q.device)
+    tensors = [x.contiguous() for x in (q, k, v) + ((do,) if do is not None else ())]
+    meta = dict(
+        D_K=args.d_k, D_V=args.d_v, BLOCK_DK=_head_block(args.d_k), BLOCK_DV=_head_block(args.d_v),
+        BLOCK_M=block, BLOCK_N=block,
+        # fp32 inputs get IEEE fp32 dots (tf32 would cost ~3e-4 relative error); fp16/bf16 use the tensor cores.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return args, decay_t, tensors, meta
+
+
+def _strides(x):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def la1_forward(q, k, v, decay=1.0, block_size: int | None = None):
+    """o = [(Q K^T) * M] V by the tiled left product (Lightning Attention-1). (Chapter 07.)
+
+    q, k: (batch, heads, n, d_k); v: (batch, heads, n, d_v), torch tensors of one dtype among float32,
+    float16, bfloat16, on CUDA (or on the CPU under TRITON_INTERPRET=1); decay: lambda in (0, 1], one float
+    or one value per head. ``block_size`` (a power of two >= 16; 64 on CUDA, 16 in the interpreter) is
+    both the query and the key tile. Returns o (batch, heads, n, d_v) in q's dtype.
+    """
+    args, decay_t, (q, k, v), meta = _prepare(q, k, v, decay, block_size)
+    o = torch.empty((args.batch, args.heads, args.seq_len, args.d_v), dtype=q.dtype, device=q.device)
+    grid = (triton.cdiv(args.seq_len, meta["BLOCK_M"]), args.batch * args.heads)
+    la1_forward_kernel[grid](
+        q, k, v, o, decay_t, args.seq_len, args.heads,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), **meta,
+    )
+    return o
+
+
+def la1_backward(q, k, v, do, decay=1.0, block_size: int | None = None):
+    """Gradients (dq, dk, dv) of L given do = dL/do for o = la1_forward(q, k, v, decay). (Chapter 08.)
+
+    Shapes as in :func:`la1_forward`; do is (batch, heads, n, d_v). Two launches: dQ over query blocks,
+    then dK and dV together over key blocks. Returns tensors in q's dtype.
+    """
+    args, decay_t, (q, k, v, do), meta = _prepare(q, k, v, decay, block_size, do=do)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    heads_total = args.batch * args.heads
+    la1_backward_dq_kernel[(triton.cdiv(args.seq_len, meta["BLOCK_M"]), heads_total)](
+        k, v, do, dq, decay_t, args.seq_len, args.heads,
+        *_strides(k), *_strides(v), *_strides(do), *_strides(dq), **meta,
+    )
+    la1_backward_dkdv_kernel[(triton.cdiv(args.seq_len, meta["BLOCK_N"]), heads_total)](
+        q, k, v, do, dk, dv, decay_t, args.seq_len, args.heads,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv), **meta,
+    )
+    return dq, dk, dv
+
+
+class LA1Function(torch.autograd.Function):
+    """Autograd wrapper: forward by :func:`la1_forward`, backward by :func:`la1_backward` (no state kept
+    between them but q, k, v: the backward recomputes every score tile, as FlashAttention does)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, decay, block_size=None):
+        o = la1_forward(q, k, v, decay, block_size)
+        ctx.save_for_backward(q, k, v)
+        ctx.decay = decay
+        ctx.block_size = block_size
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv = la1_backward(q, k, v, do, ctx.decay, ctx.block_size)
+        return dq, dk, dv, None, None
+
+
+def la1_attention(q, k, v, decay=1.0, block_size: int | None = None):
+    """Differentiable Lightning Attention-1: ``o = la1_attention(q, k, v, decay)``; ``o.backward(...)`` works.
+
+    decay is a float or one value per head (not differentiated). Shapes as in :func:`la1_forward`.
+    """
+    if isinstance(decay, torch.Tensor):
+        decay = decay.detach()
+    return LA1Function.apply(q, k, v, decay, validate_block_size(block_size))
