@@ -1,0 +1,268 @@
+"""An analytic cost model: FLOPs, memory traffic and sequential steps of three ways to compute
+causal linear attention with decay. (Chapter 04; chapters 07-08 compare it with measured kernels.)
+
+Counts are exact for the computation each algorithm performs as written in this package, per
+(batch, head), times ``batch * heads``. One multiply-add is 2 FLOPs; an elementwise multiply or add
+is 1 FLOP. Decay factors (M, lambda^(r+1), lambda^(b-1-r), lambda^b) depend only on lambda and the
+block length, so a kernel builds them once: they are not counted.
+
+============  ==========================================================  ====================
+algorithm     what is counted                                             sequential steps
+============  ==========================================================  ====================
+masked        [(Q K^T) * M] V over the full n x n matrix (what numpy      1
+              computes: the upper triangle is computed, then zeroed)
+recurrent     KV_t = lambda KV_{t-1} + k_t^T v_t;  o_t = q_t KV_t         n
+blockwise     Algorithm 1 (or 2 with ``direction="backward"``), blocks    ceil(n / B) (2x that
+              of B rows, the last one possibly shorter                    backward: two sweeps)
+============  ==========================================================  ====================
+
+FLOPs are split three ways: ``intra`` (the masked products inside a block: all of the masked
+algorithm), ``inter`` (products of a block with the carried state, and adding them to the intra
+part) and ``state`` (updating the carried d_k x d_v state).
+
+Memory, in bytes of ``dtype_bytes`` per element:
+
+* ``hbm_bytes``: traffic to and from off-chip memory for an IO-aware kernel. The recurrent and
+  blockwise kernels read Q, K, V (and dO) once and write O (or dQ, dK, dV) once; the state never leaves
+  the chip. The masked product is three library calls, so its n x n matrix (Q K^T) * M is written to
+  HBM once and read back once.
+* ``sram_bytes_per_block``: the working set one step keeps on chip. Blockwise: the Q_i, K_i, V_i, O_i
+  tiles, the B x B score tile and mask M, and the state. Recurrent: one row of each and the state.
+  Masked: the whole n x n matrix (the "block" is the whole sequence), which is why it cannot stay on chip.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .validation import check_finite_scalar, validate_choice, validate_positive_int
+
+__all__ = [
+    "ALGORITHMS",
+    "Cost",
+    "Hardware",
+    "attention_cost",
+    "block_size_sweep",
+    "modelled_time",
+    "optimal_block_size",
+]
+
+ALGORITHMS = ("masked", "recurrent", "blockwise")
+DIRECTIONS = ("forward", "backward")
+
+
+@dataclass(frozen=True)
+class Cost:
+    """The modelled cost of one call over ``batch * heads`` (batch, head) pairs. (Chapter 04.)"""
+
+    algorithm: str
+    direction: str
+    n: int
+    d_k: int
+    d_v: int
+    block_size: int  # rows per block (n for masked, 1 for recurrent)
+    batch: int
+    heads: int
+    dtype_bytes: int
+    num_blocks: int
+    sequential_steps: int
+    intra_flops: int
+    inter_flops: int
+    state_flops: int
+    hbm_bytes: int
+    sram_bytes_per_block: int
+
+    @property
+    def flops(self) -> int:
+        """All FLOPs: intra + inter + state."""
+        return self.intra_flops + self.inter_flops + self.state_flops
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOPs per byte of HBM traffic."""
+        return self.flops / self.hbm_bytes
+
+
+def _block_lengths(n: int, block: int) -> list[tuple[int, int]]:
+    """(rows b, how many blocks have b rows): full blocks, then the partial last one if any."""
+    full, rest = divmod(n, block)
+    out = [(block, full)] if full else []
+    if rest:
+        out.append((rest, 1))
+    return out
+
+
+def _blockwise_forward_flops(b: int, d_k: int, d_v: int) -> tuple[int, int, int]:
+    """FLOPs of one forward block of b rows: (intra, inter, state), as blockwise_forward computes it."""
+    intra = 2 * b * b * d_k + b * b + 2 * b * b * d_v  # Q_i K_i^T, * M, (.) V_i
+    inter = b * d_k + 2 * b * d_k * d_v + b * d_v  # lambda^(r+1) Q_i, (.) KV, intra + inter
+    state = d_k * d_v + b * d_k + 2 * b * d_k * d_v + d_k * d_v  # lambda^b KV, lambda^(b-1-r) K_i, (.)^T V_i, +
+    return intra, inter, state
+
+
+def _blockwise_backward_flops(b: int, d_k: int, d_v: int) -> tuple[int, int, int]:
+    """FLOPs of one block in both sweeps of blockwise_backward: (intra, inter, state)."""
+    # intra: dQ: (dO V^T) * M then K; dK: (dO V^T) * M again then Q; dV: (Q K^T) * M then dO.
+    intra = (2 * b * b * d_v + b * b + 2 * b * b * d_k) * 2 + (2 * b * b * d_k + b * b + 2 * b * b * d_v)
+    # inter: dQ: dO KV^T, lambda^(r+1) (.), add; dK: V dKV^T, lambda^(b-1-r) (.), add; dV: K dKV, scale, add.
+    inter = (2 * b * d_v * d_k + 2 * b * d_k) + (2 * b * d_v * d_k + 2 * b * d_k) + (2 * b * d_k * d_v + 2 * b * d_v)
+    # state: the forward sweep rebuilds KV (as in the forward pass); the reverse sweep updates dKV.
+    kv = 2 * d_k * d_v + b * d_k + 2 * b * d_k * d_v
+    dkv = 2 * d_k * d_v + b * d_k + 2 * b * d_k * d_v
+    return intra, inter, kv + dkv
+
+
+def attention_cost(
+    algorithm: str,
+    n: int,
+    d_k: int,
+    d_v: int | None = None,
+    block_size: int | None = None,
+    *,
+    batch: int = 1,
+    heads: int = 1,
+    dtype_bytes: int = 4,
+    direction: str = "forward",
+) -> Cost:
+    """The modelled cost of ``algorithm`` ("masked", "recurrent" or "blockwise") on q, k of shape
+    (batch, heads, n, d_k) and v of shape (batch, heads, n, d_v). ``block_size`` B is required for
+    "blockwise" (and ignored otherwise); ``d_v`` defaults to ``d_k``. ``direction="backward"`` (blockwise
+    only) counts Algorithm 2: dQ, dK, dV from dO. Returns a :class:`Cost`. (Chapter 04.)
+    """
+    algorithm = validate_choice("algorithm", algorithm, ALGORITHMS)
+    direction = validate_choice("direction", direction, DIRECTIONS)
+    n = validate_positive_int("n", n)
+    d_k = validate_positive_int("d_k", d_k)
+    d_v = d_k if d_v is None else validate_positive_int("d_v", d_v)
+    batch = validate_positive_int("batch", batch)
+    heads = validate_positive_int("heads", heads)
+    dtype_bytes = validate_positive_int("dtype_bytes", dtype_bytes)
+    if direction == "backward" and algorithm != "blockwise":
+        raise ValueError(f"direction='backward' is modelled for algorithm='blockwise' only, got algorithm={algorithm!r}")
+    if algorithm == "blockwise":
+        if block_size is None:
+            raise ValueError("block_size must be a positive integer for algorithm='blockwise', got None")
+        block = validate_positive_int("block_size", block_size)
+    else:
+        block = n if algorithm == "masked" else 1
+    pairs = batch * heads
+    io_elements = n * (2 * d_k + 2 * d_v)  # read Q, K, V; write O
+    if direction == "backward":
+        # forward sweep reads K, V, dO and writes dQ; reverse sweep reads Q, K, V, dO and writes dK, dV
+        io_elements = n * (3 * d_k + 4 * d_v) + n * (2 * d_k + d_v)
+
+    if algorithm == "masked":
+        intra, inter, state = 2 * n * n * d_k + n * n + 2 * n * n * d_v, 0, 0
+        hbm = io_elements + 2 * n * n  # (Q K^T) * M written once and read once
+        sram = n * n
+        num_blocks, steps = 1, 1
+    elif algorithm == "recurrent":
+        # per token: lambda KV (d_k d_v), k_t^T v_t (d_k d_v), the add (d_k d_v); q_t KV_t (2 d_k d_v)
+        intra, inter, state = 0, 2 * n * d_k * d_v, 3 * n * d_k * d_v
+        hbm = io_elements
+        sram = 2 * d_k + 2 * d_v + d_k * d_v
+        num_blocks, steps = n, n
+    else:
+        per_block = _blockwise_backward_flops if direction == "backward" else _blockwise_forward_flops
+        intra = inter = state = 0
+        num_blocks = 0
+        for b, count in _block_lengths(n, block):
+            fi, fo, fs = per_block(b, d_k, d_v)
+            intra, inter, state = intra + count * fi, inter + count * fo, state + count * fs
+            num_blocks += count
+        hbm = io_elements
+        rows = min(block, n)
+        if direction == "forward":
+            # Q_i, K_i, V_i, O_i tiles; the score tile and M; the state KV
+            sram = rows * (2 * d_k + 2 * d_v) + 2 * rows * rows + d_k * d_v
+        else:
+            # reverse sweep: Q_i, K_i, V_i, dO_i in, dK_i, dV_i out; two score tiles and M; dKV
+            sram = rows * (3 * d_k + 3 * d_v) + 3 * rows * rows + d_k * d_v
+        steps = num_blocks * (2 if direction == "backward" else 1)
+    return Cost(
+        algorithm=algorithm,
+        direction=direction,
+        n=n,
+        d_k=d_k,
+        d_v=d_v,
+        block_size=block,
+        batch=batch,
+        heads=heads,
+        dtype_bytes=dtype_bytes,
+        num_blocks=num_blocks,
+        sequential_steps=steps,
+        intra_flops=pairs * intra,
+        inter_flops=pairs * inter,
+        state_flops=pairs * state,
+        hbm_bytes=pairs * hbm * dtype_bytes,
+        sram_bytes_per_block=sram * dtype_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A toy accelerator for :func:`modelled_time`. Defaults are A100-like (bf16 tensor cores).
+
+    ``step_latency`` is the fixed time of one sequential step of one (batch, head) chain: loading the
+    next tiles, synchronising, issuing the products. Chains of different (batch, head) pairs run at
+    the same time, so only one chain's steps add up.
+    """
+
+    peak_flops: float = 312e12  # FLOP/s
+    hbm_bandwidth: float = 2.0e12  # bytes/s
+    sram_bytes: int = 192 * 1024  # on-chip memory of one streaming multiprocessor
+    step_latency: float = 1e-6  # seconds per sequential step
+
+    def __post_init__(self):
+        for name in ("peak_flops", "hbm_bandwidth", "step_latency"):
+            value = check_finite_scalar(name, getattr(self, name))
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        validate_positive_int("sram_bytes", self.sram_bytes)
+
+
+def modelled_time(cost: Cost, hardware: Hardware | None = None, *, check_sram: bool = True) -> float:
+    """Seconds by a deliberately simple model: FLOPs at peak + bytes at full bandwidth + the latency of
+    every sequential step. Inf when one block's working set does not fit on chip (unless
+    ``check_sram=False``). (Chapter 04.)
+
+    Large B: more intra FLOPs (they grow like n B); small B: more sequential steps (n / B). The best B
+    balances the two; see :func:`optimal_block_size`.
+    """
+    if not isinstance(cost, Cost):
+        raise TypeError(f"cost must be a lightning_edu.costs.Cost, got {type(cost).__name__}")
+    hw = Hardware() if hardware is None else hardware
+    if not isinstance(hw, Hardware):
+        raise TypeError(f"hardware must be a lightning_edu.costs.Hardware or None, got {type(hw).__name__}")
+    if check_sram and cost.algorithm == "blockwise" and cost.sram_bytes_per_block > hw.sram_bytes:
+        return math.inf
+    return cost.flops / hw.peak_flops + cost.hbm_bytes / hw.hbm_bandwidth + cost.sequential_steps * hw.step_latency
+
+
+POWERS_OF_TWO = tuple(2**p for p in range(4, 11))  # 16 .. 1024, the explorer's choices
+
+
+def block_size_sweep(n, d_k, d_v=None, block_sizes=POWERS_OF_TWO, **kwargs) -> list[Cost]:
+    """Blockwise costs for each block size (keyword arguments as :func:`attention_cost`)."""
+    if isinstance(block_sizes, (str, bytes)) or not hasattr(block_sizes, "__iter__"):
+        raise TypeError(f"block_sizes must be a sequence of positive integers, got {type(block_sizes).__name__}")
+    sizes = [validate_positive_int("block_sizes[i]", b) for b in block_sizes]
+    if not sizes:
+        raise ValueError("block_sizes must hold at least one block size, got an empty sequence")
+    return [attention_cost("blockwise", n, d_k, d_v, b, **kwargs) for b in sizes]
+
+
+def optimal_block_size(
+    n, d_k, d_v=None, block_sizes=POWERS_OF_TWO, hardware: Hardware | None = None, *, check_sram: bool = True, **kwargs
+) -> int:
+    """The block size with the least :func:`modelled_time` among ``block_sizes`` (ties: the smaller B).
+
+    Raises ValueError when no block fits on chip. (Chapter 04.)
+    """
+    costs = block_size_sweep(n, d_k, d_v, block_sizes, **kwargs)
+    times = [modelled_time(c, hardware, check_sram=check_sram) for c in costs]
+    best = min(range(len(costs)), key=lambda i: (times[i], costs[i].block_size))
+    if math.isinf(times[best]):
+        raise ValueError(f"no block size in {[c.block_size for c in costs]} fits in sram_bytes of the hardware")
+    return costs[best].block_size
