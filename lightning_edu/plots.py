@@ -27,6 +27,8 @@ METHOD_COLORS = {
     "intra": "#E69F00",
     "inter": "#56B4E9",
     "floor": "#666666",
+    "state": "#009E73",  # updating the carried KV state (the recurrence's colour: it is what the recurrence carries)
+    "paper_literal": "#CC79A7",  # a printed formula run literally (chapter 04: lambda^B Lambda^-1)
 }
 
 
