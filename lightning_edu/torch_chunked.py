@@ -1,0 +1,348 @@
+"""Rung 2: Lightning Attention in PyTorch, from a loop over blocks to batched tensor ops. (Chapter 06.)
+
+The same function as every rung (per batch and head, ``KV_t = lambda KV_{t-1} + k_t^T v_t``,
+``o_t = q_t KV_t``) in three forms:
+
+* :func:`recurrent_forward` -- one token at a time: n sequential steps, the benchmark's baseline;
+* :func:`loop_forward` -- the literal port of Algorithm 1: a Python loop over the n/B blocks;
+* :func:`chunked_forward` -- chunk-parallel: every block's intra part, local state and inter part is one
+  batched matmul over all blocks at once; only the scan over n/B block states is sequential (or
+  log-depth with ``scan="log"``). Its backward is Algorithm 2 in the same style, written by hand
+  (:class:`LightningAttentionFunction`), not autograd through the forward.
+
+Notation as in :mod:`lightning_edu.numpy_blockwise`: rows of a block are r = 0..B-1; M[r, s] =
+lambda^(r-s) (r >= s); q_r meets the carried-in state with lambda^(r+1); k_r enters the block's state
+with lambda^(b-1-r), b the block's real length. Every factor is lambda to a non-negative power: nothing
+overflows for any lambda in (0, 1].
+
+Precision: float32 and float64 inputs compute in their own dtype. float16/bfloat16 inputs are cast to
+float32 for every matmul and for the states; o comes back in the input dtype, the final state in float32
+(it is carried into the next call, so rounding it to bf16 would throw away the precision kept).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .validation import validate_attention_args, validate_choice
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "SCANS",
+    "compute_dtype",
+    "decay_tensor",
+    "block_factors",
+    "to_blocks",
+    "chunk_factors",
+    "intra_block_outputs",
+    "local_block_states",
+    "scan_states",
+    "inter_block_outputs",
+    "chunked_forward",
+    "chunked_backward",
+    "loop_forward",
+    "recurrent_forward",
+    "masked_forward",
+    "LightningAttentionFunction",
+    "forward_from_args",
+    "backward_from_args",
+]
+
+DEFAULT_BLOCK_SIZE = 64
+SCANS = ("sequential", "log")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the arithmetic runs in: float64 and float32 as given, float16/bfloat16 in float32."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def decay_tensor(decay, device, dtype=torch.float64) -> torch.Tensor:
+    """lambda as a tensor of shape (heads,) on ``device`` (from the validated float64 numpy array)."""
+    return torch.as_tensor(np.asarray(decay, dtype=np.float64), dtype=torch.float64, device=device).to(dtype)
+
+
+def _powers(lam: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """lam[h] ** exponent[...] for integer exponents >= 0, shape (heads, *exponent.shape), in lam's dtype."""
+    return lam.reshape(-1, *([1] * exponent.dim())) ** exponent.to(lam.dtype)
+
+
+def block_factors(b: int, lam: torch.Tensor):
+    """Decay factors of one block of b rows, per head (lam: (heads,)). (Chapters 04 and 06.)
+
+    Returns (M, q_scale, k_scale, block_decay) of shapes (heads, b, b), (heads, b, 1), (heads, b, 1),
+    (heads, 1, 1): the intra mask lambda^(r-s), lambda^(r+1), lambda^(b-1-r) and lambda^b, in lam's dtype.
+    """
+    r = torch.arange(b, device=lam.device)
+    gap = r[:, None] - r[None, :]
+    mask = torch.where(gap >= 0, _powers(lam, gap.clamp(min=0)), 0.0)
+    q_scale = _powers(lam, (r + 1)[:, None])
+    k_scale = _powers(lam, (b - 1 - r)[:, None])
+    block_decay = _powers(lam, torch.full((1, 1), b, device=lam.device))
+    return mask, q_scale, k_scale, block_decay
+
+
+def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(batch, heads, n, d) -> (batch, heads, n_blocks, B, d), zero-padding n up to a multiple of B.
+
+    Zero rows are harmless in q (their output is cut off), k and v (they add 0 to every state); the one
+    thing padding must not change is the decay of the last, short block: see :func:`chunk_factors`.
+    """
+    batch, heads, n, d = x.shape
+    n_blocks = -(-n // block_size)
+    pad = n_blocks * block_size - n
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    return x.reshape(batch, heads, n_blocks, block_size, d)
+
+
+def chunk_factors(n: int, block_size: int, lam: torch.Tensor):
+    """Decay factors for all n/B blocks at once, the last block possibly short (b = n - (n_blocks-1) B rows).
+
+    Returns (M, q_scale, k_scale, block_decay) of shapes (heads, 1, B, B), (heads, 1, B, 1),
+    (heads, n_blocks, B, 1), (heads, n_blocks): M and q_scale are the same in every block; k_scale and
+    block_decay use each block's real length, lambda^(end-1-t) and lambda^(length), so the padded tail
+    neither decays the final state nor shifts the last block's keys (padded rows get lambda^0, times k = 0).
+    """
+    n_blocks = -(-n // block_size)
+    device = lam.device
+    mask, q_scale, _, _ = block_factors(block_size, lam)
+    starts = torch.arange(n_blocks, device=device) * block_size
+    ends = torch.clamp(starts + block_size, max=n)  # one past each block's last real row
+    t = starts[:, None] + torch.arange(block_size, device=device)[None, :]  # global row index (n_blocks, B)
+    k_scale = _powers(lam, (ends[:, None] - 1 - t).clamp(min=0))[..., None]
+    block_decay = _powers(lam, ends - starts)
+    return mask[:, None], q_scale[:, None], k_scale, block_decay
+
+
+def intra_block_outputs(qb, kb, vb, mask):
+    """O_intra for every block in one batched matmul: [(Q_i K_i^T) * M] V_i.
+
+    qb, kb: (batch, heads, n_blocks, B, d_k); vb: (..., B, d_v); mask: (heads, 1, B, B).
+    Returns (batch, heads, n_blocks, B, d_v).
+    """
+    return ((qb @ kb.transpose(-1, -2)) * mask) @ vb
+
+
+def local_block_states(kb, vb, k_scale):
+    """Each block's own contribution to the state, (diag(lambda^(b-1-r)) K_i)^T V_i, in one batched matmul.
+
+    kb: (batch, heads, n_blocks, B, d_k); vb: (..., B, d_v); k_scale: (heads, n_blocks, B, 1).
+    Returns (batch, heads, n_blocks, d_k, d_v).
+    """
+    return (k_scale * kb).transpose(-1, -2) @ vb
+
+
+def scan_states(local, block_decay, initial=None, scan: str = "sequential"):
+    """The states between blocks: S_0 = initial, S_(i+1) = lambda^(b_i) S_i + L_i. (Chapter 06.)
+
+    local: (batch, heads, n_blocks, d_k, d_v) the L_i; block_decay: (heads, n_blocks) the lambda^(b_i);
+    initial: (batch, heads, d_k, d_v) or None (zeros). Returns (batch, heads, n_blocks + 1, d_k, d_v):
+    entry i is the state entering block i, the last entry the final state.
+
+    ``scan="sequential"`` takes n_blocks dependent steps. ``scan="log"`` is the Hillis-Steele doubling scan
+    over pairs (A, X) with (A2, X2) after (A1, X1) = (A1 A2, A2 X1 + X2): ceil(log2 n_blocks) steps of
+    whole-tensor work, each A a product of decays <= 1 (never a division, so nothing overflows).
+    """
+    scan = validate_choice("scan", scan, SCANS)
+    batch, heads, n_blocks, d_k, d_v = local.shape
+    if initial is None:
+        initial = local.new_zeros(batch, heads, d_k, d_v)
+    a = block_decay[:, :, None, None]  # (heads, n_blocks, 1, 1), broadcasts against (batch, heads, n_blocks, d_k, d_v)
+    if scan == "sequential":
+        states = [initial]
+        for i in range(n_blocks):
+            states.append(a[:, i] * states[-1] + local[:, :, i])
+        return torch.stack(states, dim=2)
+    x, prod = local, a.expand(heads, n_blocks, 1, 1)
+    step = 1
+    while step < n_blocks:  # after this step, x[i] sums L_j over i - 2 step < j <= i, prod[i] the matching decay
+        x = torch.cat([x[:, :, :step], x[:, :, step:] + prod[:, step:] * x[:, :, :-step]], dim=2)
+        prod = torch.cat([prod[:, :step], prod[:, step:] * prod[:, :-step]], dim=1)
+        step *= 2
+    return torch.cat([initial[:, :, None], x + prod * initial[:, :, None]], dim=2)
+
+
+def inter_block_outputs(qb, states, q_scale):
+    """O_inter for every block in one batched matmul: diag(lambda^(r+1)) Q_i S_i.
+
+    qb: (batch, heads, n_blocks, B, d_k); states: (batch, heads, n_blocks, d_k, d_v) the states entering
+    each block; q_scale: (heads, 1, B, 1). Returns (batch, heads, n_blocks, B, d_v).
+    """
+    return (q_scale * qb) @ states
+
+
+def _prepare(q, k, v, initial_state, decay, block_size):
+    """Cast to the compute dtype, cut into blocks, build the factors. Shared by forward and backward."""
+    n = q.shape[2]
+    dtype = compute_dtype(q.dtype)
+    block = min(block_size or DEFAULT_BLOCK_SIZE, n)  # a block longer than the sequence only adds zeros
+    lam = decay_tensor(decay, q.device, dtype)
+    factors = chunk_factors(n, block, lam)
+    blocks = [to_blocks(x.to(dtype), block) for x in (q, k, v)]
+    init = None if initial_state is None else initial_state.to(dtype)
+    return n, block, dtype, factors, blocks, init
+
+
+def _forward(q, k, v, initial_state, decay, block_size, scan):
+    n, block, dtype, (mask, q_scale, k_scale, block_decay), (qb, kb, vb), init = _prepare(
+        q, k, v, initial_state, decay, block_size
+    )
+    states = scan_states(local_block_states(kb, vb, k_scale), block_decay, init, scan)
+    ob = intra_block_outputs(qb, kb, vb, mask) + inter_block_outputs(qb, states[:, :, :-1], q_scale)
+    o = ob.reshape(q.shape[0], q.shape[1], -1, v.shape[3])[:, :, :n]
+    return o.to(q.dtype), states[:, :, -1]
+
+
+def _backward(q, k, v, do, initial_state, d_final_state, decay, block_size, scan):
+    """Algorithm 2, chunk-parallel. Returns (dq, dk, dv, d_initial_state) in the compute dtype.
+
+    Forward part: the states S_i entering each block are rebuilt by the same scan as the forward
+    (recomputed, not stored: the memory stays that of the forward). Reverse part: G_i = dL/dS_i obeys
+    G_n_blocks = d_final_state, G_i = lambda^(b_i) G_(i+1) + (diag(lambda^(r+1)) Q_i)^T dO_i, the same
+    scan run over the reversed blocks.
+    """
+    n, block, dtype, (mask, q_scale, k_scale, block_decay), (qb, kb, vb), init = _prepare(
+        q, k, v, initial_state, decay, block_size
+    )
+    dob = to_blocks(do.to(dtype), block)
+    states = scan_states(local_block_states(kb, vb, k_scale), block_decay, init, scan)[:, :, :-1]
+    d_local = (q_scale * qb).transpose(-1, -2) @ dob  # (batch, heads, n_blocks, d_k, d_v)
+    d_final = None if d_final_state is None else d_final_state.to(dtype)
+    d_states = scan_states(d_local.flip(2), block_decay.flip(1), d_final, scan).flip(2)
+    d_after = d_states[:, :, 1:]  # G_(i+1): gradient of the state leaving block i
+    scores = (qb @ kb.transpose(-1, -2)) * mask  # [(Q_i K_i^T) * M]
+    d_scores = (dob @ vb.transpose(-1, -2)) * mask  # [(dO_i V_i^T) * M]
+    dq = d_scores @ kb + q_scale * (dob @ states.transpose(-1, -2))
+    dk = d_scores.transpose(-1, -2) @ qb + k_scale * (vb @ d_after.transpose(-1, -2))
+    dv = scores.transpose(-1, -2) @ dob + k_scale * (kb @ d_after)
+
+    def unblock(x, d):
+        return x.reshape(q.shape[0], q.shape[1], -1, d)[:, :, :n]
+
+    return unblock(dq, q.shape[3]), unblock(dk, k.shape[3]), unblock(dv, v.shape[3]), d_states[:, :, 0]
+
+
+class LightningAttentionFunction(torch.autograd.Function):
+    """Chunk-parallel forward (Algorithm 1) with a hand-written chunk-parallel backward (Algorithm 2).
+
+    ``apply(q, k, v, initial_state, decay, block_size, scan)`` with decay a float64 numpy array (heads,)
+    and initial_state a tensor or None; returns (o, final_state). Inputs are assumed validated.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, initial_state, decay, block_size, scan):
+        o, final = _forward(q, k, v, initial_state, decay, block_size, scan)
+        ctx.save_for_backward(q, k, v, initial_state)
+        ctx.decay, ctx.block_size, ctx.scan = decay, block_size, scan
+        return o, final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, d_final):
+        q, k, v, initial_state = ctx.saved_tensors
+        dq, dk, dv, d_init = _backward(q, k, v, do, initial_state, d_final, ctx.decay, ctx.block_size, ctx.scan)
+        d_init = None if initial_state is None else d_init.to(initial_state.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_init, None, None, None
+
+
+def chunked_forward(q, k, v, decay=1.0, block_size: int | None = None, initial_state=None, scan: str = "sequential"):
+    """Chunk-parallel Algorithm 1, differentiable through the hand-written Algorithm 2. (Chapter 06.)
+
+    q, k: (batch, heads, n, d_k); v: (batch, heads, n, d_v); decay: lambda in (0, 1], one float or one
+    per head; initial_state: (batch, heads, d_k, d_v) or None; any n, any block size (default 64).
+    Returns (o, final_state): o (batch, heads, n, d_v) in q's dtype, final_state (batch, heads, d_k, d_v)
+    in the compute dtype. Memory: the n/B + 1 block states, each d_k x d_v, plus the (n/B, B, B) scores.
+    """
+    args = validate_attention_args(q, k, v, decay, backend="torch", block_size=block_size, initial_state=initial_state)
+    validate_choice("scan", scan, SCANS)
+    return LightningAttentionFunction.apply(args.q, args.k, args.v, args.initial_state, args.decay, args.block_size, scan)
+
+
+def chunked_backward(
+    q, k, v, do, decay=1.0, block_size: int | None = None, initial_state=None, d_final_state=None, scan: str = "sequential"
+):
+    """Algorithm 2, chunk-parallel: (dq, dk, dv, d_initial_state) given do = dL/do. (Chapter 06.)
+
+    ``d_final_state`` (batch, heads, d_k, d_v) is dL/d(final state) when the final state was used (zeros if
+    None). The gradients come back in the dtypes of q, k, v; d_initial_state in the compute dtype (it is
+    returned even without an initial state: it is then dL/dKV_0 for KV_0 = 0).
+    """
+    args = validate_attention_args(
+        q, k, v, decay, backend="torch", block_size=block_size, initial_state=initial_state, do=do, d_final_state=d_final_state
+    )
+    validate_choice("scan", scan, SCANS)
+    with torch.no_grad():
+        dq, dk, dv, d_init = _backward(args.q, args.k, args.v, args.do, args.initial_state, d_final_state, args.decay, args.block_size, scan)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_init
+
+
+def loop_forward(q, k, v, decay=1.0, block_size: int | None = None, initial_state=None):
+    """Algorithm 1 ported line by line: a Python loop over the blocks, torch ops inside. (Chapter 06.)
+
+    Same arguments and results as :func:`chunked_forward`; differentiable by plain autograd (it keeps
+    every block's intermediate tensors, which is what the hand-written backward avoids).
+    """
+    args = validate_attention_args(q, k, v, decay, backend="torch", block_size=block_size, initial_state=initial_state)
+    dtype = compute_dtype(q.dtype)
+    block = args.block_size or DEFAULT_BLOCK_SIZE
+    lam = decay_tensor(args.decay, q.device, dtype)
+    q, k, v = (x.to(dtype) for x in (args.q, args.k, args.v))
+    kv = q.new_zeros(args.batch, args.heads, args.d_k, args.d_v)
+    if initial_state is not None:
+        kv = initial_state.to(dtype)
+    outputs, factors = [], {}
+    for start in range(0, args.seq_len, block):
+        qi, ki, vi = (x[:, :, start : start + block] for x in (q, k, v))
+        b = qi.shape[2]
+        if b not in factors:  # every block has the same factors except a shorter last one
+            factors[b] = block_factors(b, lam)
+        mask, q_scale, k_scale, block_decay = factors[b]
+        o_intra = ((qi @ ki.transpose(-1, -2)) * mask) @ vi
+        o_inter = (q_scale * qi) @ kv
+        kv = block_decay * kv + (k_scale * ki).transpose(-1, -2) @ vi
+        outputs.append(o_intra + o_inter)
+    return torch.cat(outputs, dim=2).to(args.q.dtype), kv
+
+
+def recurrent_forward(q, k, v, decay=1.0, initial_state=None):
+    """The per-token recurrence KV_t = lambda KV_(t-1) + k_t^T v_t, o_t = q_t KV_t in torch. (Chapters 02, 06.)
+
+    n dependent steps of O(d_k d_v) work each: the baseline the chunk-parallel form is benchmarked against.
+    Returns (o, final_state) like :func:`chunked_forward`.
+    """
+    args = validate_attention_args(q, k, v, decay, backend="torch", initial_state=initial_state)
+    dtype = compute_dtype(q.dtype)
+    lam = decay_tensor(args.decay, q.device, dtype)[None, :, None, None]
+    q, k, v = (x.to(dtype) for x in (args.q, args.k, args.v))
+    kv = q.new_zeros(args.batch, args.heads, args.d_k, args.d_v)
+    if initial_state is not None:
+        kv = initial_state.to(dtype)
+    outputs = []
+    for t in range(args.seq_len):
+        kv = lam * kv + k[:, :, t, :, None] * v[:, :, t, None, :]
+        outputs.append((q[:, :, t, None, :] @ kv)[:, :, 0])
+    return torch.stack(outputs, dim=2).to(args.q.dtype), kv
+
+
+def masked_forward(q, k, v, decay=1.0):
+    """The quadratic form [(Q K^T) * M] V with the full n x n decay mask, in torch. (Chapters 03, 06.)
+
+    O(n^2 d) time and O(n^2) memory per head: the benchmark's quadratic baseline. Returns o only.
+    """
+    args = validate_attention_args(q, k, v, decay, backend="torch")
+    dtype = compute_dtype(q.dtype)
+    mask, _, _, _ = block_factors(args.seq_len, decay_tensor(args.decay, q.device, dtype))
+    q, k, v = (x.to(dtype) for x in (args.q, args.k, args.v))
+    return (((q @ k.transpose(-1, -2)) * mask) @ v).to(args.q.dtype)
+
+
+def forward_from_args(args):
+    """Backend hook for :func:`lightning_edu.lightning_attention`: the chunk-parallel differentiable form."""
+    return LightningAttentionFunction.apply(args.q, args.k, args.v, args.initial_state, args.decay, args.block_size, "sequential")
+
+
+def backward_from_args(args, d_final_state=None):
+    """Backend hook for :func:`lightning_edu.lightning_attention_backward`."""
+    return chunked_backward(args.q, args.k, args.v, args.do, args.decay, args.block_size, args.initial_state, d_final_state)
