@@ -1,0 +1,144 @@
+"""Checks for the exercises of chapter 07 (the forward kernel in Triton).
+
+Each check launches the reader's ``@triton.jit`` kernel (in the CPU interpreter without CUDA) on seeded
+random fp32 inputs of odd lengths and compares with the float64 numpy rung:
+
+* :func:`check_decay_tile` -- a kernel that writes one BLOCK x BLOCK tile of the decay mask M
+  (the ingredient of the Lightning Attention-1 kernel), against ``numpy_reference.decay_mask``;
+* :func:`check_inter_block_kernel` -- a Lightning Attention-2 forward kernel whose inter-block part and
+  state update the reader writes, against ``numpy_blockwise.blockwise_forward`` (output and final state).
+
+Kernels receive fp32 tensors; tiles are >= 16 (the GPU rejects smaller ``tl.dot`` shapes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..checks import random_qkv
+from ..numpy_blockwise import blockwise_forward
+from ..numpy_reference import decay_mask
+from ._core import ExerciseError, expect_close, expect_shape, passed
+
+__all__ = ["check_decay_tile", "check_inter_block_kernel", "tolerance"]
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tolerance() -> float:
+    """Relative error allowed: fp32 in the interpreter is exact to ~1e-7; a GPU's default fp32 tl.dot is tf32."""
+    return 1e-5 if _device() == "cpu" else 3e-3
+
+
+def _launch_error(what: str, exc: Exception) -> ExerciseError:
+    return ExerciseError(
+        f"{what} failed to run: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}. "
+        "Check the kernel's signature against the exercise statement, and that every tl.dot side is >= 16"
+    )
+
+
+def check_decay_tile(decay_tile_kernel) -> bool:
+    """``decay_tile_kernel[(1,)](out, log2_lambda, row_start, col_start, n, BLOCK=16)`` must write the tile
+    D[r, s] = lambda^((row_start + r) - (col_start + s)) for row >= col, both < n, else 0, into the
+    contiguous (BLOCK, BLOCK) float32 tensor ``out``."""
+    import torch
+
+    block = 16
+    n = 45  # three tiles, the last one partial (rows 32..44 valid)
+    for lam in (0.9, 0.05, 1.0):
+        full = decay_mask(n, lam)
+        padded = np.zeros((48, 48))
+        padded[:n, :n] = full
+        for bi, bj in ((0, 0), (1, 0), (2, 1), (2, 2), (0, 1)):
+            out = torch.full((block, block), float("nan"), dtype=torch.float32, device=_device())
+            try:
+                decay_tile_kernel[(1,)](out, float(np.log2(lam)), bi * block, bj * block, n, BLOCK=block)
+            except Exception as exc:  # the interpreter raises plain Python errors from the kernel body
+                raise _launch_error("decay_tile_kernel", exc) from exc
+            got = expect_shape("the tile", out, (block, block))
+            want = padded[bi * block:(bi + 1) * block, bj * block:(bj + 1) * block]
+            where = f"tile (query block {bi}, key block {bj}) at lambda = {lam}"
+            if np.isnan(got).any():
+                raise ExerciseError(f"{where} has NaN entries: every entry of the tile must be stored (0 where masked)")
+            if np.isinf(got).any():
+                raise ExerciseError(
+                    f"{where} has inf entries: a negative power of lambda overflowed. Clamp the distance at 0 "
+                    "(tl.maximum(distance, 0)) before exp2 and zero those entries with tl.where"
+                )
+            if bj > bi and np.any(got != 0):
+                raise ExerciseError(f"{where} lies wholly above the diagonal and must be all 0 (causality: key after query)")
+            upper = np.triu(np.ones((block, block), dtype=bool), 1)
+            if bi == bj and np.any(got[upper] != 0):
+                raise ExerciseError(
+                    f"{where}: entries above the diagonal (key after query) must be 0: select them away with "
+                    "tl.where on distance >= 0 (and never raise lambda to a negative power there)"
+                )
+            if bi == 2 and np.any(got[n - 2 * block:, :] != 0):
+                raise ExerciseError(f"{where}: rows past n = {n} must be 0 (mask rows >= n)")
+            expect_close(
+                where, got, want, rtol=1e-5, axis=0,
+                hint="D[r, s] = lambda^((row_start + r) - (col_start + s)) = exp2(log2_lambda * distance): "
+                     "distance counts from the key to the query, in absolute positions",
+            )
+    return passed("decay_tile_kernel writes M's tiles on and below the diagonal, zeros above it and past n, "
+                  "for lambda = 0.9, 0.05 and 1")
+
+
+_FORWARD_SHAPES = [  # (batch, heads, n, d_k, d_v, decays): odd n so the last block is partial
+    (1, 2, 37, 16, 32, [0.9, 0.5]),
+    (2, 1, 50, 32, 16, [0.99]),
+    (1, 2, 16, 16, 16, [0.05, 1.0]),
+]
+
+
+def check_inter_block_kernel(forward_kernel, block: int = 16) -> bool:
+    """``forward_kernel[(batch * heads,)](Q, K, V, O, KV_OUT, LOG2_DECAY, n, H, D_K=, D_V=, BLOCK=16)`` must
+    compute Algorithm 1 for contiguous fp32 (batch, heads, n, d) tensors: O (batch, heads, n, d_v) and the
+    final state KV_OUT (batch, heads, d_k, d_v); LOG2_DECAY holds log2(lambda) per head."""
+    import torch
+
+    dev = _device()
+    rtol = tolerance()
+    for i, (batch, heads, n, d_k, d_v, decay) in enumerate(_FORWARD_SHAPES):
+        q, k, v = random_qkv(batch, heads, n, d_k, d_v, seed=70 + i)
+        o_ref, kv_ref = blockwise_forward(q, k, v, decay, block_size=block)
+        t = [torch.tensor(x, dtype=torch.float32, device=dev) for x in (q, k, v)]
+        o = torch.full((batch, heads, n, d_v), float("nan"), dtype=torch.float32, device=dev)
+        kv = torch.full((batch, heads, d_k, d_v), float("nan"), dtype=torch.float32, device=dev)
+        log2_decay = torch.tensor(np.log2(decay), dtype=torch.float32, device=dev)
+        try:
+            forward_kernel[(batch * heads,)](*t, o, kv, log2_decay, n, heads, D_K=d_k, D_V=d_v, BLOCK=block)
+        except Exception as exc:
+            raise _launch_error("forward_kernel", exc) from exc
+        case = f"(batch {batch}, heads {heads}, n {n}, d_k {d_k}, d_v {d_v}, lambda {decay})"
+        got_o = expect_shape("O", o, o_ref.shape)
+        scale = np.abs(o_ref).max()
+        bad_rows = np.flatnonzero((np.abs(got_o - o_ref) > rtol * scale).any(axis=(0, 1, 3)) | np.isnan(got_o).any(axis=(0, 1, 3)))
+        kv_ok = np.allclose(kv.cpu().double().numpy(), kv_ref, rtol=0, atol=rtol * np.abs(kv_ref).max())
+        if bad_rows.size:
+            first_block = int(bad_rows[0]) // block
+            rows = f"rows {first_block * block}-{min(n, first_block * block + block) - 1}"
+            if first_block == 0:
+                hint = ("with KV = 0 before the first block, the inter part adds nothing there: the intra part "
+                        "(given) must stay as it was, and nothing may be added that is not q_i times the state")
+            elif not kv_ok:
+                hint = ("the state carried from block to block is wrong (the final state differs too): "
+                        "KV = lambda^b KV + (diag(lambda^(b-1-r)) K_i)^T V_i, updated AFTER this block's output used the old KV")
+            else:
+                hint = ("the final state is right, so the inter part is off: O_i += diag(lambda^(r+1)) Q_i KV with the "
+                        "state from the previous blocks (lambda^(r+1), not lambda^r: row r is r+1 steps after the "
+                        "previous block's end)")
+            raise ExerciseError(f"O differs first in block {first_block} ({rows}) for {case}. Hint: {hint}")
+        if not kv_ok:
+            b_last = n - (n - 1) // block * block
+            raise ExerciseError(
+                f"O is right but the final state KV_OUT differs for {case}. Hint: the last block has b = {b_last} "
+                f"valid rows of {block}: decay the state by lambda^b and scale k by lambda^(b-1-r) with that b, with "
+                "k_scale = 0 on padded rows, and store KV after the last update"
+            )
+    return passed(f"forward_kernel matches Algorithm 1 (numpy, float64) on {len(_FORWARD_SHAPES)} shapes with "
+                  "partial last blocks and per-head decay: O and the final state")

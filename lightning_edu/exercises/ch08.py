@@ -1,0 +1,84 @@
+"""Checks for the exercises of chapter 08 (the backward kernel in Triton).
+
+:func:`check_reverse_sweep_kernel` launches the reader's ``@triton.jit`` reverse sweep of Algorithm 2
+(in the CPU interpreter without CUDA) on seeded random fp32 inputs with partial last blocks and per-head
+decay, and compares dK, dV and the state gradient dKV_0 with ``numpy_blockwise.blockwise_backward``
+(float64). Failure messages name the tensor, the block and the rows, and say which part to look at.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..checks import random_qkv
+from ..numpy_blockwise import blockwise_backward
+from ._core import ExerciseError, expect_shape, passed
+from .ch07 import _device, _launch_error, tolerance
+
+__all__ = ["check_reverse_sweep_kernel"]
+
+_SHAPES = [  # (batch, heads, n, d_k, d_v, decays)
+    (1, 2, 53, 16, 32, [0.9, 0.5]),
+    (2, 1, 40, 32, 16, [0.99]),
+    (1, 1, 16, 16, 16, [0.7]),
+]
+
+
+def _first_wrong_block_from_the_end(got: np.ndarray, ref: np.ndarray, block: int, rtol: float):
+    """The block the reverse sweep reaches first among the wrong ones (the highest index), or None."""
+    bad = (np.abs(got - ref) > rtol * np.abs(ref).max()) | np.isnan(got)
+    rows = np.flatnonzero(bad.any(axis=(0, 1, 3)))
+    return None if rows.size == 0 else int(rows[-1]) // block
+
+
+def check_reverse_sweep_kernel(reverse_kernel, block: int = 16) -> bool:
+    """``reverse_kernel[(batch * heads,)](Q, K, V, DO, DK, DV, DKV_OUT, LOG2_DECAY, n, H, D_K=, D_V=, BLOCK=16)``
+    must compute dK, dV of Algorithm 2's reverse sweep for contiguous fp32 (batch, heads, n, d) tensors and
+    store the final dKV (the gradient of the initial state, (batch, heads, d_k, d_v)) into DKV_OUT."""
+    import torch
+
+    dev = _device()
+    rtol = tolerance()
+    for i, (batch, heads, n, d_k, d_v, decay) in enumerate(_SHAPES):
+        q, k, v = random_qkv(batch, heads, n, d_k, d_v, seed=80 + i)
+        do = np.random.default_rng(90 + i).standard_normal(v.shape)
+        _, dk_ref, dv_ref, dkv_ref = blockwise_backward(q, k, v, do, decay, block_size=block)
+        t = [torch.tensor(x, dtype=torch.float32, device=dev) for x in (q, k, v, do)]
+        dk = torch.full((batch, heads, n, d_k), float("nan"), dtype=torch.float32, device=dev)
+        dv = torch.full((batch, heads, n, d_v), float("nan"), dtype=torch.float32, device=dev)
+        dkv = torch.full((batch, heads, d_k, d_v), float("nan"), dtype=torch.float32, device=dev)
+        log2_decay = torch.tensor(np.log2(decay), dtype=torch.float32, device=dev)
+        try:
+            reverse_kernel[(batch * heads,)](*t, dk, dv, dkv, log2_decay, n, heads, D_K=d_k, D_V=d_v, BLOCK=block)
+        except Exception as exc:
+            raise _launch_error("reverse_kernel", exc) from exc
+        case = f"(batch {batch}, heads {heads}, n {n}, d_k {d_k}, d_v {d_v}, lambda {decay})"
+        got = {name: expect_shape(name, x, ref.shape) for name, x, ref in (("dk", dk, dk_ref), ("dv", dv, dv_ref), ("dKV_0", dkv, dkv_ref))}
+        state_ok = bool(np.allclose(got["dKV_0"], dkv_ref, rtol=0, atol=rtol * np.abs(dkv_ref).max()))
+        last = (n - 1) // block
+        for name, ref in (("dk", dk_ref), ("dv", dv_ref)):
+            blk = _first_wrong_block_from_the_end(got[name], ref, block, rtol)
+            if blk is None:
+                continue
+            rows = f"rows {blk * block}-{min(n, blk * block + block) - 1}"
+            other = "v" if name == "dk" else "k"
+            if blk == last:
+                hint = ("the reverse sweep starts here with dKV = 0 (no token comes after the last block), so only the "
+                        "intra part (given) may contribute: use dKV before you update it with this block's Q_i and dO_i")
+            elif not state_ok:
+                hint = ("did you use the reverse-sweep state? After each block, dKV = lambda^b dKV + "
+                        "(diag(lambda^(r+1)) Q_i)^T dO_i, with b the block's valid rows (the gradient of the initial "
+                        "state differs too)")
+            else:
+                hint = (f"the reverse-sweep state is right, so the inter term is off: {name}_i += "
+                        f"diag(lambda^(b-1-r)) {'V_i dKV^T' if name == 'dk' else 'K_i dKV'} (the same k-side scale as "
+                        f"the forward state update, applied to {other})")
+            raise ExerciseError(f"{name} differs in block {blk}, {rows} (the sweep runs from block {last} down to 0) "
+                                f"for {case}: {hint}")
+        if not state_ok:
+            raise ExerciseError(
+                f"dk and dv are right but DKV_OUT differs for {case}: store dKV after the update of block 0 "
+                "(it is dL/dKV_0, the gradient of the initial state)"
+            )
+    return passed(f"reverse_kernel matches Algorithm 2 (numpy, float64) on {len(_SHAPES)} shapes: dK, dV and dKV_0, "
+                  "partial last blocks, per-head decay")

@@ -1,0 +1,161 @@
+"""The chapter 07-08 exercise checks: the model solution passes, and typical mistakes get a message that
+names what is wrong and where. Kernels run in the Triton CPU interpreter (conftest sets TRITON_INTERPRET).
+
+Each kernel below takes a ``MISTAKE`` constexpr: 0 is the model solution (as in the notebooks), every other
+value plants one typical error. ``_with`` binds it, so the checks launch the kernel exactly as a reader's.
+"""
+
+import pytest
+import triton
+import triton.language as tl
+
+from lightning_edu.exercises import ExerciseError
+from lightning_edu.exercises.ch07 import check_decay_tile, check_inter_block_kernel
+from lightning_edu.exercises.ch08 import check_reverse_sweep_kernel
+
+
+class _with:
+    def __init__(self, kernel, **constexprs):
+        self.kernel, self.constexprs = kernel, constexprs
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, **kwargs, **self.constexprs)
+
+
+@triton.jit
+def decay_tile_kernel(OUT, log2_lam, row_start, col_start, n, BLOCK: tl.constexpr, MISTAKE: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    rows = row_start + r
+    cols = col_start + r
+    distance = rows[:, None] - cols[None, :]
+    keep = (distance >= 0) & (rows[:, None] < n) & (cols[None, :] < n)
+    if MISTAKE == 1:  # no causal mask: negative powers overflow above the diagonal
+        tile = tl.exp2(log2_lam * distance.to(tl.float32))
+    elif MISTAKE == 2:  # rows past n kept
+        tile = tl.where(distance >= 0, tl.exp2(log2_lam * tl.maximum(distance, 0).to(tl.float32)), 0.0)
+    elif MISTAKE == 3:  # off by one power
+        tile = tl.where(keep, tl.exp2(log2_lam * (tl.maximum(distance, 0) + 1).to(tl.float32)), 0.0)
+    else:
+        tile = tl.where(keep, tl.exp2(log2_lam * tl.maximum(distance, 0).to(tl.float32)), 0.0)
+    tl.store(OUT + r[:, None] * BLOCK + r[None, :], tile)
+
+
+@triton.jit
+def forward_kernel(Q, K, V, O, KV_OUT, LOG2_DECAY, n, H,
+                   D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr, MISTAKE: tl.constexpr):
+    bh = tl.program_id(0)
+    log2_lam = tl.load(LOG2_DECAY + bh % H)
+    r = tl.arange(0, BLOCK)
+    ck = tl.arange(0, D_K)
+    cv = tl.arange(0, D_V)
+    gap = r[:, None] - r[None, :]
+    M = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), 0.0)
+    kv = tl.zeros((D_K, D_V), dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        rows = start + r
+        ok = rows < n
+        b = tl.minimum(n - start, BLOCK)
+        q = tl.load(Q + bh * n * D_K + rows[:, None] * D_K + ck[None, :], mask=ok[:, None], other=0.0)
+        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + ck[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + cv[None, :], mask=ok[:, None], other=0.0)
+        o = tl.dot(tl.dot(q, tl.trans(k)) * M, v)
+        q_power = (r + 1).to(tl.float32)
+        if MISTAKE == 1:  # eq. 9's diag(1, ..., lambda^(B-1)) instead of Algorithm 1's lambda^(r+1)
+            q_power = r.to(tl.float32)
+        b_used = b
+        if MISTAKE == 2:  # the full block size even for the partial last block
+            b_used = BLOCK
+        k_scale = tl.where(ok, tl.exp2(log2_lam * tl.maximum(b_used - 1 - r, 0).to(tl.float32)), 0.0)
+        o += tl.dot(q * tl.exp2(log2_lam * q_power)[:, None], kv)
+        if MISTAKE == 3:  # the carried state is not decayed
+            kv = kv + tl.dot(tl.trans(k * k_scale[:, None]), v)
+        else:
+            kv = kv * tl.exp2(log2_lam * b_used.to(tl.float32)) + tl.dot(tl.trans(k * k_scale[:, None]), v)
+        tl.store(O + bh * n * D_V + rows[:, None] * D_V + cv[None, :], o, mask=ok[:, None])
+    tl.store(KV_OUT + bh * D_K * D_V + ck[:, None] * D_V + cv[None, :], kv)
+
+
+@triton.jit
+def reverse_kernel(Q, K, V, DO, DK, DV, DKV_OUT, LOG2_DECAY, n, H,
+                   D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr, MISTAKE: tl.constexpr):
+    bh = tl.program_id(0)
+    log2_lam = tl.load(LOG2_DECAY + bh % H)
+    r = tl.arange(0, BLOCK)
+    ck = tl.arange(0, D_K)
+    cv = tl.arange(0, D_V)
+    gap = r[:, None] - r[None, :]
+    M = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), 0.0)
+    dkv = tl.zeros((D_K, D_V), dtype=tl.float32)
+    num_blocks = tl.cdiv(n, BLOCK)
+    for i in range(0, num_blocks):
+        start = (num_blocks - 1 - i) * BLOCK
+        rows = start + r
+        ok = rows < n
+        b = tl.minimum(n - start, BLOCK)
+        q = tl.load(Q + bh * n * D_K + rows[:, None] * D_K + ck[None, :], mask=ok[:, None], other=0.0)
+        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + ck[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + cv[None, :], mask=ok[:, None], other=0.0)
+        do = tl.load(DO + bh * n * D_V + rows[:, None] * D_V + cv[None, :], mask=ok[:, None], other=0.0)
+        dk = tl.dot(tl.trans(tl.dot(do, tl.trans(v)) * M), q)
+        dv = tl.dot(tl.trans(tl.dot(q, tl.trans(k)) * M), do)
+        k_scale = tl.where(ok, tl.exp2(log2_lam * tl.maximum(b - 1 - r, 0).to(tl.float32)), 0.0)
+        q_power = (r + 1).to(tl.float32)
+        if MISTAKE == 2:  # Lambda = diag(1 .. lambda^(B-1)) in the state update
+            q_power = r.to(tl.float32)
+        new_dkv = dkv * tl.exp2(log2_lam * b.to(tl.float32)) + tl.dot(tl.trans(q * tl.exp2(log2_lam * q_power)[:, None]), do)
+        if MISTAKE == 1:  # the state updated with this block before this block uses it
+            dkv = new_dkv
+        dk += tl.dot(v * k_scale[:, None], tl.trans(dkv))
+        if MISTAKE == 3:  # dV's inter term scaled like a query
+            dv += tl.dot(k * tl.exp2(log2_lam * (r + 1).to(tl.float32))[:, None], dkv)
+        else:
+            dv += tl.dot(k * k_scale[:, None], dkv)
+        dkv = new_dkv
+        tl.store(DK + bh * n * D_K + rows[:, None] * D_K + ck[None, :], dk, mask=ok[:, None])
+        tl.store(DV + bh * n * D_V + rows[:, None] * D_V + cv[None, :], dv, mask=ok[:, None])
+    tl.store(DKV_OUT + bh * D_K * D_V + ck[:, None] * D_V + cv[None, :], dkv)
+
+
+def test_decay_tile_solution_passes(capsys):
+    assert check_decay_tile(_with(decay_tile_kernel, MISTAKE=0)) is True
+    assert capsys.readouterr().out.startswith("Correct:")
+
+
+@pytest.mark.parametrize("mistake,message", [
+    (1, r"key block 0\) at lambda = 0.9: entries above the diagonal \(key after query\) must be 0"),
+    (2, "rows past n = 45 must be 0"),
+    (3, r"tile \(query block 0, key block 0\) at lambda = 0.9 differs first in rows 0\.\.15"),
+])
+def test_decay_tile_mistakes(mistake, message):
+    with pytest.raises(ExerciseError, match=message):
+        check_decay_tile(_with(decay_tile_kernel, MISTAKE=mistake))
+
+
+def test_inter_block_solution_passes(capsys):
+    assert check_inter_block_kernel(_with(forward_kernel, MISTAKE=0)) is True
+    assert "Correct: forward_kernel matches Algorithm 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake,message", [
+    (1, r"O differs first in block 1 \(rows 16-31\).*the final state is right, so the inter part is off.*not lambda\^r"),
+    (2, r"O is right but the final state KV_OUT differs.*b = 5 valid rows of 16"),
+    (3, r"O differs first in block 2 \(rows 32-36\).*the state carried from block to block is wrong"),
+])
+def test_inter_block_mistakes(mistake, message):
+    with pytest.raises(ExerciseError, match=message):
+        check_inter_block_kernel(_with(forward_kernel, MISTAKE=mistake))
+
+
+def test_reverse_sweep_solution_passes(capsys):
+    assert check_reverse_sweep_kernel(_with(reverse_kernel, MISTAKE=0)) is True
+    assert "Correct: reverse_kernel matches Algorithm 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake,message", [
+    (1, r"dk differs in block 3, rows 48-52 .*starts here with dKV = 0"),
+    (2, r"dk differs in block 2, rows 32-47 .*did you use the reverse-sweep state\?"),
+    (3, r"dv differs in block 2, rows 32-47 .*the reverse-sweep state is right, so the inter term is off"),
+])
+def test_reverse_sweep_mistakes(mistake, message):
+    with pytest.raises(ExerciseError, match=message):
+        check_reverse_sweep_kernel(_with(reverse_kernel, MISTAKE=mistake))
