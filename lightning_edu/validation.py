@@ -195,6 +195,10 @@ def validate_attention_args(
     lam = validate_decay(decay, heads)
     block = validate_block_size(block_size)
     backend = _resolve_backend(backend, kind, q)
+    if backend == "triton" and block is not None and (block < 16 or block & (block - 1)):
+        raise ValueError(f"block_size for backend='triton' must be a power of two >= 16 (a tl.dot tile), got {block}")
+    if backend == "triton" and max(d_k, d_v) > 256:
+        raise ValueError(f"backend='triton' supports d_k, d_v <= 256 (the state lives on chip), got d_k={d_k}, d_v={d_v}")
     for name, x, shape in (
         ("initial_state", initial_state, (batch, heads, d_k, d_v)),
         ("do", do, (batch, heads, seq_len, d_v)),

@@ -1,0 +1,390 @@
+"""GPU benchmark harness: our kernels side by side with the libraries a user would otherwise call.
+
+    python -m lightning_edu.bench --out bench.json                   # the chapter 07-08 table
+    python -m lightning_edu.bench --tune --out tune.json             # tile sweep of the la2_fast kernels
+
+For every sequence length T and head dim D (H heads, bf16, T * batch = 32K tokens per call, as in
+../shared/PERF.md) and every method, it reports the forward and forward+backward time (median of
+``triton.testing.do_bench``), tokens/s, peak extra memory and the fraction of the HBM floor: the bytes
+that must move (q, k, v in and o out for the forward; q, k, v, do in and dq, dk, dv out for the backward)
+over the device-to-device copy bandwidth measured in the same run. It refuses to time under Triton's CPU
+interpreter: those numbers would mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["hbm_floor_bytes", "head_decays", "main"]
+
+
+def hbm_floor_bytes(batch: int, T: int, heads: int, d: int, elem_bytes: int = 2, backward: bool = False) -> int:
+    """Fewest bytes a pass must move: 4 tensors of (batch, T, heads, d) forward, 7 backward."""
+    return (7 if backward else 4) * batch * T * heads * d * elem_bytes
+
+
+def head_decays(heads: int) -> np.ndarray:
+    """Per-head lambda_h = exp(-2^(-8 (h+1) / heads)): the ALiBi-style slopes of the original LA-2 tests."""
+    slopes = 2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)
+    return np.exp(-slopes)
+
+
+def _refuse_without_gpu():
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        raise SystemExit("lightning_edu.bench: refusing to time without CUDA or under TRITON_INTERPRET=1 "
+                         "(the CPU interpreter's timings say nothing about a GPU).")
+
+
+def _progress(i: int, total: int, label: str) -> None:
+    width = 30
+    done = int(width * i / max(total, 1))
+    print(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} {label:<60s}", end="", file=sys.stderr, flush=True)
+    if i == total:
+        print(file=sys.stderr)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import torch
+    from triton.testing import do_bench
+
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Methods. Each takes (q, k, v, decay) in our (batch, heads, T, d) layout and returns a callable that runs
+# the forward, and one that runs forward + backward. Layout changes needed by an anchor happen outside
+# the timed region.
+
+
+def _ours(variant: str, **cfg):
+    import torch
+
+    from .triton_kernels import VARIANTS, kernel_config, log2_decay_tensor
+
+    forward, backward = VARIANTS["la2_fast" if variant.startswith("la2_fast") else variant]
+
+    def make(q, k, v, decay, do):
+        l2 = log2_decay_tensor(decay, q.device)
+        c = dict(kernel_config(q.shape[-1], v.shape[-1], q.dtype)) if variant.startswith("la2_fast") else {"block": 64}
+        c.update(cfg)
+        if variant == "la2_fast_noseg":
+            c["seg_len"] = -(-q.shape[2] // c["block"]) * c["block"]
+
+        def fwd():
+            return forward(q, k, v, l2, None, **c)[0]
+
+        def fwdbwd():
+            forward(q, k, v, l2, None, **c)
+            return backward(q, k, v, do, l2, None, None, **c)
+
+        return fwd, fwdbwd
+
+    return make
+
+
+def _autograd(fn):
+    """Wrap fn(q, k, v) -> o (autograd) as (forward, forward+backward) callables."""
+    import torch
+
+    def make_calls(q, k, v, do, prep=lambda x: x):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+        def fwd():
+            with torch.no_grad():
+                return fn(*leaves)
+
+        def fwdbwd():
+            o = fn(*leaves)
+            o.backward(prep(do))
+            for x in leaves:
+                x.grad = None
+
+        return fwd, fwdbwd
+
+    return make_calls
+
+
+def _torch_backend(q, k, v, decay, do):
+    from .api import lightning_attention
+
+    return _autograd(lambda q, k, v: lightning_attention(q, k, v, decay, backend="torch"))(q, k, v, do)
+
+
+def _la1(q, k, v, decay, do):
+    from .triton_kernels.la1 import la1_attention
+
+    return _autograd(lambda q, k, v: la1_attention(q, k, v, decay))(q, k, v, do)
+
+
+def _sdpa(backend_name):
+    def make(q, k, v, decay, do):
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, backend_name)
+        if q.shape[-1] != v.shape[-1]:
+            raise RuntimeError("SDPA needs d_k == d_v")
+
+        def fn(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return _autograd(fn)(q, k, v, do)
+
+    return make
+
+
+def _fla(name):
+    def make(q, k, v, decay, do):
+        import torch
+        from fla.ops import simple_gla
+
+        fn = getattr(simple_gla, name)
+        g_gamma = torch.tensor(np.log(decay), dtype=torch.float32, device=q.device)
+        to_bthd = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
+        qt, kt, vt, dot = (to_bthd(x) for x in (q, k, v, do))
+        return _autograd(lambda a, b, c: fn(a, b, c, g_gamma=g_gamma, scale=1.0)[0])(qt, kt, vt, dot)
+
+    return make
+
+
+def _original(q, k, v, decay, do):
+    import torch
+    from lightning_attn.ops import lightning_attn_func
+
+    s = torch.tensor(-np.log(decay), dtype=torch.float32, device=q.device).view(-1, 1, 1).contiguous()
+    return _autograd(lambda a, b, c: lightning_attn_func(a, b, c, s))(q, k, v, do)
+
+
+METHODS = {
+    "triton": _ours("la2_fast"),
+    "la2_fast_noseg": _ours("la2_fast_noseg"),
+    "la2_literal": _ours("la2_literal"),
+    "la1": _la1,
+    "torch": _torch_backend,
+    "sdpa_flash": _sdpa("FLASH_ATTENTION"),
+    "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"),
+    "fla_chunk": _fla("chunk_simple_gla"),
+    "fla_fused_chunk": _fla("fused_chunk_simple_gla"),
+    "original": _original,
+}
+LINEAR = {"triton", "la2_fast_noseg", "la2_literal", "la1", "torch", "fla_chunk", "fla_fused_chunk", "original"}
+
+
+def _inputs(batch, heads, T, d, dtype, seed=0):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    # Scaled so that T = 128K with lambda near 1 stays well inside bf16's range; never zeros (METHOD.md).
+    mk = lambda: (torch.randn(batch, heads, T, d, device="cuda", generator=g) * d**-0.5).to(dtype)  # noqa: E731
+    return mk(), mk(), mk(), mk()
+
+
+def _correctness(name, make, decay_fn, dtype):
+    """Relative error of a method's forward against float64 numpy on one small case (same function?)."""
+    import torch
+
+    from .checks import relative_error
+    from .numpy_blockwise import blockwise_forward
+
+    q, k, v, do = _inputs(1, 4, 1000, 64, dtype, seed=7)
+    decay = decay_fn(4)
+    fwd, _ = make(q, k, v, decay, do)
+    o = fwd()
+    if o.shape != v.shape:  # fla returns (batch, T, heads, d)
+        o = o.transpose(1, 2)
+    ref = blockwise_forward(*(x.double().cpu().numpy() for x in (q, k, v)), decay, 64)[0]
+    if name.startswith("sdpa"):
+        return None
+    return relative_error(o, ref)
+
+
+def _measure(make, q, k, v, decay, do, do_fwd=True, do_bwd=True):
+    import torch
+    from triton.testing import do_bench
+
+    fwd, fwdbwd = make(q, k, v, decay, do)
+    row = {}
+    tensor_bytes = q.numel() * q.element_size()
+    if do_fwd:
+        fwd()
+        torch.cuda.synchronize()
+        row["fwd_ms"] = do_bench(fwd, warmup=25, rep=100, return_mode="median")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fwd()
+        torch.cuda.synchronize()
+        row["fwd_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base - tensor_bytes  # minus o
+        del out
+    if do_bwd:
+        fwdbwd()
+        torch.cuda.synchronize()
+        row["fwdbwd_ms"] = do_bench(fwdbwd, warmup=25, rep=100, return_mode="median")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fwdbwd()
+        torch.cuda.synchronize()
+        row["fwdbwd_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base - 3 * tensor_bytes  # minus dq, dk, dv
+        del out
+    return row
+
+
+def _environment():
+    import torch
+    import triton
+
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception:  # pragma: no cover
+        driver = "unknown"
+    return {
+        "machine": torch.cuda.get_device_name(0),
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
+        "driver": driver,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": _dt.date.today().isoformat(),
+        "command": "python -m lightning_edu.bench " + " ".join(sys.argv[1:]),
+    }
+
+
+def run_table(args) -> dict:
+    import torch
+
+    data = _environment()
+    bw = copy_bandwidth()
+    data["copy_bandwidth_bytes_per_s"] = bw
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    methods = [m for m in args.methods if m in METHODS]
+    available, errors = {}, {}
+    for name in methods:
+        try:
+            available[name] = METHODS[name]
+            err = _correctness(name, METHODS[name], head_decays, dtype)
+            data.setdefault("correctness_rel_err", {})[name] = err
+        except Exception as exc:  # an anchor that does not import is reported, not fatal
+            errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+            available.pop(name, None)
+    data["unavailable"] = errors
+    results = []
+    jobs = [(T, d, name) for d in args.D for T in args.T for name in available]
+    for i, (T, d, name) in enumerate(jobs):
+        _progress(i, len(jobs), f"{name} T={T} D={d}")
+        batch = max(1, args.tokens // T)
+        if name == "la1" and T > args.la1_max_T or name == "la2_literal" and T > args.literal_max_T:
+            continue
+        q, k, v, do = _inputs(batch, args.H, T, d, dtype)
+        decay = head_decays(args.H)
+        row = {"method": name, "T": T, "D": d, "batch": batch, "heads": args.H, "dtype": args.dtype}
+        try:
+            row.update(_measure(available[name], q, k, v, decay, do))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        tokens = batch * T
+        fwd_floor = hbm_floor_bytes(batch, T, args.H, d, q.element_size()) / bw * 1e3
+        bwd_floor = hbm_floor_bytes(batch, T, args.H, d, q.element_size(), backward=True) / bw * 1e3
+        row["input_bytes"] = 3 * q.numel() * q.element_size()
+        if "fwd_ms" in row:
+            row["fwd_floor_frac"] = fwd_floor / row["fwd_ms"]
+            row["fwd_tokens_per_s"] = tokens / (row["fwd_ms"] * 1e-3)
+        if "fwdbwd_ms" in row:
+            row["fwdbwd_floor_frac"] = (fwd_floor + bwd_floor) / row["fwdbwd_ms"]
+            row["fwdbwd_tokens_per_s"] = tokens / (row["fwdbwd_ms"] * 1e-3)
+        results.append(row)
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    _progress(len(jobs), len(jobs), "done")
+    data["results"] = results
+    return data
+
+
+def run_tune(args) -> dict:
+    """Sweep la2_fast tiles at a few sizes; report every config (chapter 07 plots the spread)."""
+    import itertools
+
+    import torch
+
+    data = _environment()
+    bw = copy_bandwidth()
+    data["copy_bandwidth_bytes_per_s"] = bw
+    results = []
+    grid = list(itertools.product(args.D, args.T, (32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3)))
+    for i, (d, T, block, block_dv, warps, stages) in enumerate(grid):
+        _progress(i, len(grid), f"D={d} T={T} B={block} dv={block_dv} w={warps} s={stages}")
+        batch = max(1, args.tokens // T)
+        q, k, v, do = _inputs(batch, args.H, T, d, torch.bfloat16)
+        make = _ours("la2_fast", block=block, block_dv=block_dv, num_warps=warps, num_stages=stages)
+        row = {"T": T, "D": d, "block": block, "block_dv": block_dv, "num_warps": warps, "num_stages": stages}
+        try:
+            row.update(_measure(make, q, k, v, head_decays(args.H), do))
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        results.append(row)
+    _progress(len(grid), len(grid), "done")
+    data["results"] = results
+    return data
+
+
+def _table(data) -> str:
+    lines = [f"{data['machine']}  copy bw {data['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s",
+             f"{'method':<16}{'T':>7}{'D':>5}{'fwd ms':>9}{'frac':>6}{'f+b ms':>9}{'frac':>6}{'Mtok/s':>8}{'extraMB':>9}"]
+    for r in data["results"]:
+        if "block" in r:
+            continue
+        lines.append(
+            f"{r['method']:<16}{r['T']:>7}{r['D']:>5}{r.get('fwd_ms', math.nan):>9.3f}{r.get('fwd_floor_frac', math.nan):>6.2f}"
+            f"{r.get('fwdbwd_ms', math.nan):>9.3f}{r.get('fwdbwd_floor_frac', math.nan):>6.2f}"
+            f"{r.get('fwdbwd_tokens_per_s', math.nan) / 1e6:>8.2f}{r.get('fwdbwd_peak_extra_bytes', math.nan) / 2**20:>9.0f}"
+            + (f"  {r['error'][:60]}" if "error" in r else "")
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_edu.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
+    parser.add_argument("--D", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--H", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32768, help="batch * T per call (at least one sequence)")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--la1-max-T", type=int, default=32768, help="skip the quadratic LA-1 beyond this T")
+    parser.add_argument("--literal-max-T", type=int, default=131072)
+    parser.add_argument("--tune", action="store_true", help="sweep la2_fast tile sizes instead")
+    parser.add_argument("--out", default=None, help="write JSON here")
+    args = parser.parse_args(argv)
+    _refuse_without_gpu()
+    start = time.time()
+    data = run_tune(args) if args.tune else run_table(args)
+    data["wall_s"] = round(time.time() - start, 1)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
+    if not args.tune:
+        print(_table(data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,294 @@
+"""Lightning Attention-2, beyond the paper: segmented, 16-bit tensor-core kernels. (Chapters 07-08.)
+
+Three ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
+
+1. **Segments.** The literal kernel runs one program per (batch, head): at 32K tokens per call that is
+   16 programs on a 132-SM H100. Here the sequence is cut into ``num_segments`` segments. A short pre-pass
+   computes each segment's local state ``sum_s lambda^(end-1-s) k_s^T v_s`` (d_k x d_v, a few KB); the main
+   kernel then starts segment j from ``sum_{i<j} lambda^((j-1-i) L) S_i`` (Horner's rule over the few
+   earlier segments, read from L2) and runs Algorithm 1 over its own blocks. More programs, few extra bytes.
+2. **16-bit dots.** Q, K, V stay bf16/fp16 in the dots, accumulating in fp32; the state stays fp32 and is
+   rounded to 16 bits only as a dot operand. Decay factors scale fp32 results, not operands, where possible.
+3. **The backward is the forward in disguise.** With time reversed, dK and dV are causal decayed linear
+   attention again: dv_t = k_t sum_{s>=t} lambda^(s-t) q_s^T do_s (query k, key q, value dO) and
+   dk_t = v_t sum_{s>=t} lambda^(s-t) do_s^T q_s (query v, key dO, value q) share one state dKV; and
+   dq_t = do_t sum_{s<=t} lambda^(t-s) v_s^T k_s is the forward with (dO, V, K). So the backward reuses the
+   forward kernel for dQ and one fused reverse kernel for dK and dV.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments"]
+
+
+@triton.jit
+def _row_offsets(p, n, REVERSE: tl.constexpr):
+    # Position p in processing order -> row in memory. Reverse order walks the sequence from its end.
+    if REVERSE:
+        return n - 1 - p
+    return p
+
+
+@triton.jit
+def _segment_state_kernel(
+    K, V, SEG, LOG2_DECAY, n, H, seg_len,
+    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK: tl.constexpr, REVERSE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Local state of one full segment: sum over its rows of lambda^(end-1-p) k_p^T v_p.
+
+    Grid (batch*heads, num_segments - 1, cdiv(d_v, BLOCK_DV)); SEG is (batch*heads, num_segments, d_k, d_v) fp32.
+    """
+    bh = tl.program_id(0)
+    seg = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    num_seg = tl.num_programs(1) + 1
+    log2_lam = tl.load(LOG2_DECAY + bh % H)
+    offs_r = tl.arange(0, BLOCK)
+    offs_k = tl.arange(0, PAD_K)
+    offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    k_ok = offs_k < D_K
+    v_ok = offs_v < D_V
+    kv = tl.zeros((PAD_K, BLOCK_DV), dtype=tl.float32)
+    start = seg * seg_len
+    block_decay = tl.exp2(log2_lam * BLOCK)
+    k_scale = tl.exp2(log2_lam * (BLOCK - 1 - offs_r).to(tl.float32))
+    for blk in range(start, start + seg_len, BLOCK):  # segments before the last are whole blocks
+        rows = _row_offsets(blk + offs_r, n, REVERSE)
+        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+        ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
+        kv = kv * block_decay + tl.dot(tl.trans(ks), v, input_precision=PRECISION)
+    ptrs = SEG + (bh * num_seg + seg) * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :]
+    tl.store(ptrs, kv, mask=k_ok[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def _incoming_state(S0, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v, state_ok,
+                    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    HAS_S0: tl.constexpr):
+    """State at the start of segment ``seg``: lambda^(seg L) S0 + sum_{i<seg} lambda^((seg-1-i) L) S_i (Horner)."""
+    kv = tl.zeros((PAD_K, BLOCK_DV), dtype=tl.float32)
+    if HAS_S0:
+        kv = tl.load(S0 + bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], mask=state_ok, other=0.0).to(tl.float32)
+    seg_decay = tl.exp2(log2_lam * seg_len.to(tl.float32))
+    for i in range(0, seg):
+        s_i = tl.load(SEG + (bh * num_seg + i) * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], mask=state_ok, other=0.0)
+        kv = kv * seg_decay + s_i
+    return kv
+
+
+@triton.jit
+def _la2_fast_forward_kernel(
+    Q, K, V, O, S0, SN, SEG, LOG2_DECAY, n, H, seg_len,
+    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Algorithm 1 over one segment. Grid (batch*heads, num_segments, cdiv(d_v, BLOCK_DV))."""
+    bh = tl.program_id(0)
+    seg = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    num_seg = tl.num_programs(1)
+    log2_lam = tl.load(LOG2_DECAY + bh % H)
+    offs_r = tl.arange(0, BLOCK)
+    offs_k = tl.arange(0, PAD_K)
+    offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    k_ok = offs_k < D_K
+    v_ok = offs_v < D_V
+    state_ok = k_ok[:, None] & v_ok[None, :]
+    kv = _incoming_state(S0, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v, state_ok,
+                         D_K, D_V, PAD_K, BLOCK_DV, HAS_S0)
+    gap = offs_r[:, None] - offs_r[None, :]
+    mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), 0.0)
+    q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
+    start = seg * seg_len
+    end = tl.minimum(start + seg_len, n)
+    for blk in range(start, end, BLOCK):
+        p = blk + offs_r
+        ok = p < end
+        rows = _row_offsets(p, n, REVERSE)
+        q = tl.load(Q + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+        b = tl.minimum(end - blk, BLOCK)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * mask
+        o = tl.dot(scores.to(v.dtype), v, input_precision=PRECISION)
+        o += tl.dot(q, kv.to(q.dtype), input_precision=PRECISION) * q_scale[:, None]
+        k_scale = tl.where(ok, tl.exp2(log2_lam * tl.maximum(b - 1 - offs_r, 0).to(tl.float32)), 0.0)
+        ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
+        kv = kv * tl.exp2(log2_lam * b.to(tl.float32)) + tl.dot(tl.trans(ks), v, input_precision=PRECISION)
+        tl.store(O + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], o.to(O.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
+    if STORE_SN:
+        if seg == num_seg - 1:
+            tl.store(SN + bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], kv, mask=state_ok)
+
+
+@triton.jit
+def _la2_fast_dkdv_kernel(
+    Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len,
+    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
+    BLOCK: tl.constexpr, STORE_XN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Reverse sweep of Algorithm 2 for one segment, dK and dV together. Grid (batch*heads, num_segments).
+
+    In reversed time (p = n-1-t) with the state X = dKV = sum_{p'<=p} lambda^(p-p') q^T do:
+    dV rows = [(K Q^T) * M] dO + lambda^(r+1) K X,   dK rows = [(V dO^T) * M] Q + lambda^(r+1) V X^T.
+    """
+    bh = tl.program_id(0)
+    seg = tl.program_id(1)
+    num_seg = tl.num_programs(1)
+    log2_lam = tl.load(LOG2_DECAY + bh % H)
+    offs_r = tl.arange(0, BLOCK)
+    offs_k = tl.arange(0, PAD_K)
+    offs_v = tl.arange(0, PAD_V)
+    k_ok = offs_k < D_K
+    v_ok = offs_v < D_V
+    state_ok = k_ok[:, None] & v_ok[None, :]
+    x = _incoming_state(XN, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v, state_ok,
+                        D_K, D_V, PAD_K, PAD_V, False)
+    gap = offs_r[:, None] - offs_r[None, :]
+    mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), 0.0)
+    q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
+    start = seg * seg_len
+    end = tl.minimum(start + seg_len, n)
+    for blk in range(start, end, BLOCK):
+        p = blk + offs_r
+        ok = p < end
+        rows = n - 1 - p
+        kmask = ok[:, None] & k_ok[None, :]
+        vmask = ok[:, None] & v_ok[None, :]
+        q = tl.load(Q + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=kmask, other=0.0)
+        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=kmask, other=0.0)
+        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0)
+        do = tl.load(DO + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0)
+        b = tl.minimum(end - blk, BLOCK)
+        kq = (tl.dot(k, tl.trans(q), input_precision=PRECISION) * mask).to(do.dtype)
+        dv = tl.dot(kq, do, input_precision=PRECISION)
+        x16 = x.to(k.dtype)
+        dv += tl.dot(k, x16, input_precision=PRECISION) * q_scale[:, None]
+        vdo = (tl.dot(v, tl.trans(do), input_precision=PRECISION) * mask).to(q.dtype)
+        dk = tl.dot(vdo, q, input_precision=PRECISION)
+        dk += tl.dot(v, tl.trans(x16), input_precision=PRECISION) * q_scale[:, None]
+        k_scale = tl.where(ok, tl.exp2(log2_lam * tl.maximum(b - 1 - offs_r, 0).to(tl.float32)), 0.0)
+        qs = (q.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+        x = x * tl.exp2(log2_lam * b.to(tl.float32)) + tl.dot(tl.trans(qs), do, input_precision=PRECISION)
+        tl.store(DK + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kmask)
+        tl.store(DV + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], dv.to(DV.dtype.element_ty), mask=vmask)
+    if STORE_XN:
+        if seg == num_seg - 1:
+            tl.store(XN + bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], x, mask=state_ok)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launchers. Inputs: contiguous (batch, heads, n, d) tensors; log2_decay float32 (heads,).
+
+
+def _pad(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _precision(x) -> str:
+    import torch
+
+    return "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def _sm_count(device) -> int:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few segments, so CPU tests exercise the segmented path
+
+
+def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: int | None = None) -> tuple[int, int]:
+    """(num_segments, seg_len): enough segments that ``programs * num_segments`` fills about two waves of SMs.
+
+    seg_len is a multiple of ``block`` so every segment but the last is made of whole blocks.
+    """
+    if seg_len is None:
+        want = max(1, -(-2 * sm_count // max(programs, 1)))
+        blocks = -(-n // block)
+        per_seg = -(-blocks // min(want, blocks))
+        seg_len = per_seg * block
+    if seg_len % block:
+        raise ValueError(f"seg_len must be a multiple of the block size {block}, got {seg_len}")
+    return -(-n // seg_len), seg_len
+
+
+def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, num_warps, num_stages, seg_len):
+    """o_p = q_p sum_{p'<=p} lambda^(p-p') k_p'^T v_p' (+ lambda^(p+1) q_p S0) in processing order p."""
+    import torch
+
+    batch, heads, n, d_k = q.shape
+    d_v = v.shape[-1]
+    pad_k = _pad(d_k)
+    block_dv = min(_pad(d_v), block_dv)
+    slices = triton.cdiv(d_v, block_dv)
+    num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len)
+    o = torch.empty_like(v)
+    sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
+    seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
+    meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=_precision(q))
+    if num_seg > 1:
+        _segment_state_kernel[(batch * heads, num_seg - 1, slices)](
+            k, v, seg, log2_decay, n, heads, seg_len, **meta, num_warps=num_warps, num_stages=num_stages,
+        )
+    s0 = initial_state if initial_state is not None else sn
+    _la2_fast_forward_kernel[(batch * heads, num_seg, slices)](
+        q, k, v, o, s0, sn, seg, log2_decay, n, heads, seg_len, **meta,
+        HAS_S0=initial_state is not None, STORE_SN=True, num_warps=num_warps, num_stages=num_stages,
+    )
+    return o, sn
+
+
+def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int = 64, block_dv: int = 64,
+                     num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None):
+    """Segmented forward. Returns (o, final_state fp32)."""
+    s0 = initial_state.float().contiguous() if initial_state is not None else None
+    return _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len)
+
+
+def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None, block: int = 64,
+                      block_dv: int = 64, num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None,
+                      dkdv_warps: int = 8):
+    """Segmented backward. Returns (dq, dk, dv, d_initial_state fp32)."""
+    import torch
+
+    batch, heads, n, d_k = q.shape
+    d_v = v.shape[-1]
+    # dQ: the forward with (query, key, value) = (dO, V, K); its state is KV^T, starting from S0^T.
+    s0t = initial_state.float().transpose(-1, -2).contiguous() if initial_state is not None else None
+    dq, _ = _forward_form(do, v, k, log2_decay, s0t, False, block, block_dv, num_warps, num_stages, seg_len)
+    # dK, dV: one reverse sweep over the shared state dKV.
+    num_seg, seg_len_ = choose_segments(batch * heads, n, block, _sm_count(q.device), seg_len)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
+    seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
+    pad_k, pad_v = _pad(d_k), _pad(d_v)
+    if num_seg > 1:
+        block_dv_seg = min(pad_v, block_dv)
+        _segment_state_kernel[(batch * heads, num_seg - 1, triton.cdiv(d_v, block_dv_seg))](
+            q, do, seg, log2_decay, n, heads, seg_len_, D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv_seg,
+            BLOCK=block, REVERSE=True, PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages,
+        )
+    _la2_fast_dkdv_kernel[(batch * heads, num_seg)](
+        q, k, v, do, dk, dv, x_end, seg, log2_decay, n, heads, seg_len_, D_K=d_k, D_V=d_v, PAD_K=pad_k,
+        PAD_V=pad_v, BLOCK=block, STORE_XN=True, PRECISION=_precision(q), num_warps=dkdv_warps, num_stages=num_stages,
+    )
+    # x_end = sum_t lambda^t q_t^T do_t (0-based t); dL/dS0 = sum_t lambda^(t+1) q_t^T do_t (+ lambda^n dSN).
+    lam = torch.exp2(log2_decay.double()).view(1, heads, 1, 1)
+    ds0 = (x_end.double() * lam).float()
+    if d_final_state is not None:
+        # The final state's gradient reaches token t through lambda^(n-1-t) (a rank-d update, cheap in torch).
+        t = torch.arange(n, device=q.device, dtype=torch.float64)
+        w = torch.exp2(log2_decay.double().view(heads, 1) * (n - 1 - t)).view(1, heads, n, 1)
+        dsn = d_final_state.double()
+        dk = (dk.double() + w * (v.double() @ dsn.transpose(-1, -2))).to(k.dtype)
+        dv = (dv.double() + w * (k.double() @ dsn)).to(v.dtype)
+        ds0 = (ds0.double() + lam ** n * dsn).float()
+    return dq, dk, dv, ds0
