@@ -1,0 +1,194 @@
+"""Checks for the exercises of chapter 05 (the backward recurrences, Algorithm 2).
+
+Each check runs the reader's piece inside a reverse sweep over blocks, compares the gradients with the
+package's :func:`~lightning_edu.numpy_blockwise.blockwise_backward` and names the first wrong block. When the
+answer matches a known slip (the paper's own among them), the message says which.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..numpy_blockwise import block_factors, blockwise_backward
+from ._core import ExerciseError, expect_close, expect_shape, passed
+
+__all__ = ["check_dkv_update", "check_dk_inter", "check_reverse_sweep"]
+
+# (batch, heads, n, d_k, d_v, block_size, decay per head): odd lengths, partial last blocks, d_k != d_v
+CASES = [
+    (1, 2, 37, 5, 3, 8, [0.9, 0.5]),
+    (2, 1, 64, 4, 6, 16, [0.97]),
+    (1, 3, 23, 3, 2, 5, [1.0, 0.8, 0.05]),
+]
+
+
+def _inputs(case, seed):
+    b, h, n, d_k, d_v, block, decay = case
+    rng = np.random.default_rng(seed)
+    q, k = rng.standard_normal((2, b, h, n, d_k))
+    v, do = rng.standard_normal((2, b, h, n, d_v))
+    return q, k, v, do, np.array(decay, dtype=np.float64), block
+
+
+def _blocks(n, block):
+    return [slice(s, min(s + block, n)) for s in range(0, n, block)]
+
+
+def _call(name, fn, *args):
+    try:
+        return fn(*args)
+    except ExerciseError:
+        raise
+    except Exception as exc:  # the reader's code failed: say so with the shapes it was given
+        shapes = ", ".join(str(getattr(a, "shape", a)) for a in args)
+        raise ExerciseError(f"{name} raised {type(exc).__name__}: {exc} (arguments of shapes {shapes})") from exc
+
+
+def _sweep(q, k, v, do, decay, block, update=None, inter=None, read_after_update=False, dv_next_do=False):
+    """The reverse sweep of Algorithm 2 with pluggable pieces: (dk, dv, dKV before the first block)."""
+    dk, dv = np.empty_like(k), np.empty_like(v)
+    dkv = np.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]))
+    blocks = _blocks(q.shape[2], block)
+    for index in reversed(range(len(blocks))):
+        rows = blocks[index]
+        qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v[:, :, rows], do[:, :, rows]
+        mask, q_scale, k_scale, block_decay = block_factors(qi.shape[2], decay)
+        new_dkv = block_decay * dkv + (q_scale * qi).swapaxes(-1, -2) @ doi if update is None else update(dkv, qi, doi, decay)
+        state = new_dkv if read_after_update else dkv
+        dk_inter = k_scale * (vi @ state.swapaxes(-1, -2)) if inter is None else inter(vi, state, decay)
+        dk[:, :, rows] = ((doi @ vi.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ qi + dk_inter
+        do_pair = doi
+        if dv_next_do:  # eq. 19 as printed: the next block's dO (zeros past the end, cut to this block's rows)
+            nxt = do[:, :, blocks[index + 1]] if index + 1 < len(blocks) else np.zeros_like(doi)
+            do_pair = np.zeros_like(doi)
+            do_pair[:, :, : nxt.shape[2]] = nxt[:, :, : doi.shape[2]]
+        dv[:, :, rows] = ((qi @ ki.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ do_pair + k_scale * (ki @ state)
+        dkv = new_dkv
+    return dk, dv, dkv
+
+
+def _matches(got, ref):
+    return got.shape == ref.shape and bool(np.allclose(got, ref, rtol=1e-9, atol=1e-12))
+
+
+# ---------------------------------------------------------------------------------------------- 5.1
+
+
+def _update_variants(dkv, qi, doi, decay):
+    b = qi.shape[2]
+    lam = decay[None, :, None, None]
+    r = np.arange(b, dtype=np.float64)[None, None, :, None]
+    qt = lambda scale: (scale * qi).swapaxes(-1, -2) @ doi  # noqa: E731
+    return {
+        "Your powers on q start at lambda^0 (eq. 9's Lambda). The block's first row is one step after the state "
+        "it feeds, so it carries lambda^1: Lambda = diag(lambda, ..., lambda^b)": lam**b * dkv + qt(lam**r),
+        "You scaled q with lambda^(b-1-r), the factor that k gets in the forward state update. q_s meets the state "
+        "s - (start of block) steps later: lambda^(r+1) for row r": lam**b * dkv + qt(lam ** (b - 1 - r)),
+        "The old dKV is not decayed: it must be multiplied by lambda^b, one lambda per row of this block": dkv + qt(lam ** (r + 1)),
+        "You decayed after adding: only the old dKV carries lambda^b, the new rows carry their own lambda^(r+1)": lam**b * (dkv + qt(lam ** (r + 1))),
+        "You decayed the old dKV by lambda, not lambda^b: it is b steps further back": lam * dkv + qt(lam ** (r + 1)),
+    }
+
+
+def check_dkv_update(dkv_update) -> bool:
+    """``dkv_update(dkv, q_block, do_block, decay)`` -> dKV before the block, given dKV after it.
+
+    dkv (batch, heads, d_k, d_v); q_block (batch, heads, b, d_k); do_block (batch, heads, b, d_v);
+    decay (heads,). Expected: lambda^b dKV + (diag(lambda^1 .. lambda^b) Q_i)^T dO_i.
+    """
+    for seed, case in enumerate(CASES):
+        q, k, v, do, decay, block = _inputs(case, 500 + seed)
+        _, ref_dk, ref_dv, ref_state = blockwise_backward(q, k, v, do, decay, block)
+        # one block first, for a precise diagnosis
+        rows = _blocks(q.shape[2], block)[0]
+        dkv0 = np.random.default_rng(seed).standard_normal(ref_state.shape)
+        one = _call("dkv_update", dkv_update, dkv0.copy(), q[:, :, rows].copy(), do[:, :, rows].copy(), decay.copy())
+        expect_shape("dkv_update(...)", one, dkv0.shape)
+        hint = "dKV_before = lambda^b dKV_after + (diag(lambda^(r+1)) Q_i)^T dO_i, r = 0..b-1"
+        for text, wrong in _update_variants(dkv0, q[:, :, rows], do[:, :, rows], decay).items():
+            if _matches(np.asarray(one, dtype=np.float64), wrong):
+                hint = text
+                break
+        # then the whole sweep, to say where the gradients go wrong
+        dk, dv, state = _sweep(q, k, v, do, decay, block, update=lambda *a: np.asarray(_call("dkv_update", dkv_update, *a), dtype=np.float64))
+        expect_close(f"dk (n = {q.shape[2]}, block size {block}, decay {decay.tolist()})", dk, ref_dk, block_size=block, hint=hint)
+        expect_close(f"dv (n = {q.shape[2]}, block size {block}, decay {decay.tolist()})", dv, ref_dv, block_size=block, hint=hint)
+        expect_close("dKV before the first block (the gradient of the initial state)", state, ref_state, axis=-2, hint=hint)
+    return passed(f"dKV update right: the reverse sweep built on it gives dk, dv and d initial_state on {len(CASES)} shapes")
+
+
+# ---------------------------------------------------------------------------------------------- 5.2
+
+
+def check_dk_inter(dk_inter) -> bool:
+    """``dk_inter(v_block, dkv, decay)`` -> the inter-block term of dK for one block, (batch, heads, b, d_k).
+
+    v_block (batch, heads, b, d_v); dkv (batch, heads, d_k, d_v), the state of the blocks after this one;
+    decay (heads,). Expected: diag(lambda^(b-1-r)) V_i dKV^T (the paper's lambda^B Lambda^-1 V_i dKV^T).
+    """
+    for seed, case in enumerate(CASES):
+        q, k, v, do, decay, block = _inputs(case, 700 + seed)
+        ref_dk = blockwise_backward(q, k, v, do, decay, block)[1]
+        lam = decay[None, :, None, None]
+        hints = {
+            "You used lambda^(r+1), the query's factor (Lambda). Key row r of the block sits b-1-r steps before the "
+            "block's end, where dKV takes over: lambda^(b-1-r) (the paper's lambda^B Lambda^-1)": lambda vi, s, d: (lam ** (np.arange(vi.shape[2])[None, None, :, None] + 1)) * (vi @ s.swapaxes(-1, -2)),
+            "Off by one: the last row of the block is 0 steps from its end, so its factor is lambda^0 = 1: use "
+            "lambda^(b-1-r) for 0-based r": lambda vi, s, d: (lam ** (vi.shape[2] - np.arange(vi.shape[2])[None, None, :, None])) * (vi @ s.swapaxes(-1, -2)),
+            "No decay on the inter term: key row r is b-1-r steps from the block's end, scale it by lambda^(b-1-r)": lambda vi, s, d: vi @ s.swapaxes(-1, -2),
+        }
+        hint = "dK_inter = diag(lambda^(b-1-r)) V_i dKV^T, r = 0..b-1, with dKV the state of the blocks after this one"
+        rows = _blocks(q.shape[2], block)[0]
+        probe_state = np.random.default_rng(seed).standard_normal(q.shape[:2] + (q.shape[-1], v.shape[-1]))
+        vi = v[:, :, rows]
+        one = np.asarray(_call("dk_inter", dk_inter, vi.copy(), probe_state.copy(), decay.copy()), dtype=np.float64)
+        expect_shape("dk_inter(...)", one, vi.shape[:3] + (q.shape[-1],))
+        for text, wrong in hints.items():
+            if np.any(decay != 1.0) and _matches(one, wrong(vi, probe_state, decay)):
+                hint = text
+                break
+        dk = _sweep(q, k, v, do, decay, block, inter=lambda vi, s, d: np.asarray(_call("dk_inter", dk_inter, vi, s, d), dtype=np.float64))[0]
+        expect_close(f"dk (n = {q.shape[2]}, block size {block}, decay {decay.tolist()})", dk, ref_dk, block_size=block, hint=hint)
+    return passed(f"inter term of dK right: full dK matches Algorithm 2 on {len(CASES)} shapes")
+
+
+# ---------------------------------------------------------------------------------------------- 5.3
+
+
+def check_reverse_sweep(reverse_sweep) -> bool:
+    """``reverse_sweep(q, k, v, do, decay, block_size)`` -> (dk, dv), Algorithm 2's second loop.
+
+    q, k (batch, heads, n, d_k); v, do (batch, heads, n, d_v); decay (heads,). The last block may be short.
+    """
+    for seed, case in enumerate(CASES):
+        q, k, v, do, decay, block = _inputs(case, 900 + seed)
+        ref_dk, ref_dv = blockwise_backward(q, k, v, do, decay, block)[1:3]
+        got = _call("reverse_sweep", reverse_sweep, q.copy(), k.copy(), v.copy(), do.copy(), decay.copy(), block)
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise ExerciseError(f"reverse_sweep must return the pair (dk, dv), got {type(got).__name__}")
+        dk = expect_shape("dk", got[0], ref_dk.shape)
+        dv = expect_shape("dv", got[1], ref_dv.shape)
+        where = f"(n = {q.shape[2]}, block size {block}, decay {decay.tolist()})"
+        early_dk, early_dv, _ = _sweep(q, k, v, do, decay, block, read_after_update=True)
+        if _matches(dk, early_dk) and not _matches(dk, ref_dk):
+            hint = (
+                "did you use the reverse-sweep state dKV of the blocks after this one? You added this block's own "
+                "Q_i^T dO_i before reading dKV, so pairs inside the block are counted twice (and acausal ones too): "
+                "compute dK_i and dV_i first, then update dKV"
+            )
+            expect_close(f"dk {where}", dk, ref_dk, block_size=block, hint=hint)
+        next_dv = _sweep(q, k, v, do, decay, block, dv_next_do=True)[1]
+        full = slice(0, (len(_blocks(q.shape[2], block)) - 2) * block)  # blocks whose next block is full too
+        if _matches(dv[:, :, full], next_dv[:, :, full]) and not _matches(dv, ref_dv):
+            hint = (
+                "the intra term of dV pairs block i's scores [(Q_i K_i^T) * M]^T with dO_i of the same block; you used "
+                "the next block's dO, as the paper's eq. 19 prints it"
+            )
+            expect_close(f"dv {where}", dv, ref_dv, block_size=block, hint=hint)
+        hint = (
+            "per block, newest first: dK_i = [(dO_i V_i^T) * M]^T Q_i + diag(lambda^(b-1-r)) V_i dKV^T, "
+            "dV_i = [(Q_i K_i^T) * M]^T dO_i + diag(lambda^(b-1-r)) K_i dKV, then dKV = lambda^b dKV + (diag(lambda^(r+1)) Q_i)^T dO_i"
+        )
+        expect_close(f"dk {where}", dk, ref_dk, block_size=block, hint=hint)
+        expect_close(f"dv {where}", dv, ref_dv, block_size=block, hint=hint)
+    return passed(f"reverse sweep right: dk and dv match Algorithm 2 on {len(CASES)} shapes, partial last blocks included")

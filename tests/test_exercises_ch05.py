@@ -1,0 +1,126 @@
+"""The chapter 05 checkers: right answers pass, the usual wrong ones fail with a message that locates them."""
+
+import numpy as np
+import pytest
+
+from lightning_edu.exercises import ExerciseError
+from lightning_edu.exercises.ch05 import check_dk_inter, check_dkv_update, check_reverse_sweep
+
+
+def _lam(decay):
+    return np.asarray(decay)[None, :, None, None]
+
+
+def update(dkv, q_block, do_block, decay, first_power=1, old_power=None, after=False):
+    b = q_block.shape[-2]
+    lam = _lam(decay)
+    r = np.arange(b)[:, None]
+    new = (lam ** (r + first_power) * q_block).swapaxes(-1, -2) @ do_block
+    if after:
+        return lam**b * (dkv + new)
+    return lam ** (b if old_power is None else old_power) * dkv + new
+
+
+def test_dkv_update_right_passes(capsys):
+    assert check_dkv_update(update)
+    assert "Correct" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (lambda d, q, o, lam: update(d, q, o, lam, first_power=0), "eq. 9's Lambda"),
+        (lambda d, q, o, lam: update(d, q, o, lam, old_power=0), "not decayed"),
+        (lambda d, q, o, lam: update(d, q, o, lam, old_power=1), "by lambda, not lambda^b"),
+        (lambda d, q, o, lam: update(d, q, o, lam, after=True), "decayed after adding"),
+    ],
+)
+def test_dkv_update_wrong_is_located(wrong, message):
+    with pytest.raises(ExerciseError) as info:
+        check_dkv_update(wrong)
+    text = str(info.value)
+    assert message in text
+    assert "differs first in block" in text and "rows" in text
+
+
+def test_dkv_update_returning_none_is_named():
+    with pytest.raises(ExerciseError, match="returned None"):
+        check_dkv_update(lambda *a: None)
+
+
+def inter(v_block, dkv, decay, powers="right"):
+    b = v_block.shape[-2]
+    r = np.arange(b)[:, None]
+    lam = _lam(decay)
+    scale = {"right": lam ** (b - 1 - r), "query": lam ** (r + 1), "none": 1.0}[powers]
+    return scale * (v_block @ dkv.swapaxes(-1, -2))
+
+
+def test_dk_inter_right_passes(capsys):
+    assert check_dk_inter(inter)
+    assert "Correct" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("powers, message", [("query", "the query's factor"), ("none", "No decay on the inter term")])
+def test_dk_inter_wrong_is_located(powers, message):
+    with pytest.raises(ExerciseError) as info:
+        check_dk_inter(lambda v, s, d: inter(v, s, d, powers))
+    assert message in str(info.value)
+    assert "dk " in str(info.value) and "differs first in block" in str(info.value)
+
+
+def test_dk_inter_shape_error_is_reported():
+    # forgetting the transpose: v (b, d_v) @ dkv (d_k, d_v) fails when d_k != d_v
+    with pytest.raises(ExerciseError, match="dk_inter raised ValueError"):
+        check_dk_inter(lambda v, s, d: v @ s)
+
+
+def sweep(q, k, v, do, decay, block_size, read_after_update=False, next_do=False):
+    from lightning_edu.numpy_blockwise import block_factors
+
+    n = q.shape[2]
+    dk, dv = np.empty_like(k), np.empty_like(v)
+    dkv = np.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]))
+    starts = list(range(0, n, block_size))
+    for start in reversed(starts):
+        rows = slice(start, min(start + block_size, n))
+        qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v[:, :, rows], do[:, :, rows]
+        mask, q_scale, k_scale, block_decay = block_factors(qi.shape[2], decay)
+        new = block_decay * dkv + (q_scale * qi).swapaxes(-1, -2) @ doi
+        state = new if read_after_update else dkv
+        pair = doi
+        if next_do:  # eq. 19 as printed
+            nxt = do[:, :, start + block_size : start + 2 * block_size]
+            pair = np.zeros_like(doi)
+            pair[:, :, : nxt.shape[2]] = nxt[:, :, : doi.shape[2]]
+        dk[:, :, rows] = ((doi @ vi.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ qi + k_scale * (vi @ state.swapaxes(-1, -2))
+        dv[:, :, rows] = ((qi @ ki.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ pair + k_scale * (ki @ state)
+        dkv = new
+    return dk, dv
+
+
+def test_reverse_sweep_right_passes(capsys):
+    assert check_reverse_sweep(sweep)
+    assert "Correct" in capsys.readouterr().out
+
+
+def test_reverse_sweep_update_before_read_is_named():
+    with pytest.raises(ExerciseError) as info:
+        check_reverse_sweep(lambda *a: sweep(*a, read_after_update=True))
+    text = str(info.value)
+    assert text.startswith("dk (n = 37, block size 8")
+    assert "differs first in block 0 (rows 0-7)" in text  # every block but the last one (which meets dKV = 0 first)
+    assert "did you use the reverse-sweep state dKV of the blocks after this one?" in text
+
+
+def test_reverse_sweep_eq19_slip_is_named():
+    with pytest.raises(ExerciseError) as info:
+        check_reverse_sweep(lambda *a: sweep(*a, next_do=True))
+    text = str(info.value)
+    assert text.startswith("dv ") and "differs first in block 0 (rows 0-7)" in text
+    assert "eq. 19" in text
+
+
+def test_reverse_sweep_must_return_a_pair():
+    with pytest.raises(ExerciseError, match="pair"):
+        check_reverse_sweep(lambda *a: sweep(*a)[0])
