@@ -1,0 +1,118 @@
+"""Checks for the exercises of chapter 01 (linear attention and the kernel trick)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..checks import random_qkv, relative_error, to_numpy
+from ..measure import peak_memory_numpy
+from ..numpy_reference import elu_plus_one, linear_attention_right
+from ._core import ExerciseError, expect_close, expect_shape, passed
+
+__all__ = ["check_right_product", "check_flop_counts", "check_normalized_linear_attention"]
+
+# Odd shapes on purpose: n not a power of two, d_k != d_v, several heads, and n = 1.
+_SHAPES = [(1, 2, 37, 5, 3), (2, 3, 7, 4, 6), (1, 1, 1, 3, 2), (1, 2, 130, 8, 8)]
+
+
+def check_right_product(right_product) -> bool:
+    """``right_product(q, k, v)`` must compute Q (K^T V) for (batch, heads, n, d) arrays without an n x n matrix."""
+    for i, (b, h, n, dk, dv) in enumerate(_SHAPES):
+        q, k, v = random_qkv(b, h, n, dk, dv, seed=10 + i)
+        try:
+            got = right_product(q, k, v)
+        except ValueError as exc:
+            raise ExerciseError(
+                f"right_product raised ValueError on q {q.shape}, v {v.shape}: {exc}. Hint: transpose only the "
+                "last two axes, k.swapaxes(-1, -2); k.T reverses all four axes of a (batch, heads, n, d_k) array"
+            ) from exc
+        expect_close(
+            f"right_product on q {q.shape}, v {v.shape}",
+            got,
+            linear_attention_right(q, k, v),
+            rtol=1e-9,
+            hint="o = q (k^T v): contract k and v over the sequence axis first, giving a (d_k, d_v) matrix per head",
+        )
+    # Same output as the left product, so only memory can tell the two orders apart: at n = 2048 an n x n
+    # float64 matrix is 32 MiB, while K^T V is (d_k, d_v) and the output is n x d_v.
+    n, d = 2048, 4
+    q, k, v = random_qkv(1, 1, n, d, seed=99)
+    peak = peak_memory_numpy(lambda: right_product(q, k, v))
+    limit = 8 * n * n // 4
+    if peak > limit:
+        raise ExerciseError(
+            f"right_product gives the right numbers but allocated {peak / 2**20:.1f} MiB at n = {n}, d = {d}: "
+            f"that is an n x n matrix ({n * n * 8 / 2**20:.0f} MiB in float64). You computed (Q K^T) V; "
+            "bracket it as Q (K^T V) so the only intermediate is d_k x d_v"
+        )
+    return passed(f"right_product matches linear_attention_right on {len(_SHAPES)} shapes and needs only "
+                  f"{peak / 2**10:.0f} KiB at n = {n} (no n x n matrix)")
+
+
+def _reference_flops(n: int, d_k: int, d_v: int) -> tuple[int, int]:
+    # A (a x b) @ (b x c) product costs a*c dot products of length b: 2*a*b*c FLOPs (one multiply + one add each).
+    left = 2 * n * d_k * n + 2 * n * n * d_v  # Q K^T, then (n x n) V
+    right = 2 * d_k * n * d_v + 2 * n * d_k * d_v  # K^T V, then Q (d_k x d_v)
+    return left, right
+
+
+def check_flop_counts(flop_counts) -> bool:
+    """``flop_counts(n, d_k, d_v)`` must return (left_flops, right_flops), counting a multiply-add as 2 FLOPs."""
+    cases = [(37, 5, 3), (1, 4, 4), (4096, 64, 64), (130, 16, 24), (1000, 128, 64)]
+    for n, dk, dv in cases:
+        got = flop_counts(n, dk, dv)
+        if got is None:
+            raise ExerciseError("flop_counts returned None -- did you forget `return left, right`?")
+        try:
+            left, right = (int(round(float(x))) for x in got)
+        except (TypeError, ValueError) as exc:
+            raise ExerciseError(f"flop_counts must return two numbers (left, right), got {got!r}") from exc
+        want_left, want_right = _reference_flops(n, dk, dv)
+        where = f"at n = {n}, d_k = {dk}, d_v = {dv}"
+        if (left, right) == (want_left, want_right):
+            continue
+        if (left, right) == (want_right, want_left):
+            raise ExerciseError(f"the two counts are swapped {where}: the LEFT product (Q K^T) V is the one with n^2")
+        if left == want_left // 2 or right == want_right // 2:
+            raise ExerciseError(
+                f"a count is half the expected value {where} (got left {left}, right {right}): count a "
+                "multiply-add as 2 FLOPs, so (a x b) @ (b x c) costs 2*a*b*c"
+            )
+        if dk != dv and (left == 4 * n * n * dk or left == 4 * n * n * dv or right in (4 * n * dk * dk, 4 * n * dv * dv)):
+            raise ExerciseError(
+                f"wrong count {where} (got left {left}, right {right}): d_k and d_v differ here; Q K^T contracts "
+                "over d_k, (Q K^T) V produces d_v columns, K^T V is d_k x d_v"
+            )
+        if left != want_left:
+            raise ExerciseError(
+                f"left count {left} {where}, expected {want_left}: (Q K^T) costs 2 n^2 d_k, then (n x n) @ (n x d_v) "
+                "costs 2 n^2 d_v"
+            )
+        raise ExerciseError(
+            f"right count {right} {where}, expected {want_right}: K^T V costs 2 n d_k d_v, then "
+            "Q @ (d_k x d_v) costs another 2 n d_k d_v"
+        )
+    return passed(f"flop counts right on {len(cases)} sizes (left 2n^2(d_k+d_v), right 4n d_k d_v)")
+
+
+def check_normalized_linear_attention(normalized_linear_attention) -> bool:
+    """``normalized_linear_attention(q, k, v)``: phi(q_i) S / (phi(q_i) z) with phi = elu + 1, S = phi(K)^T V, z = sum phi(k_j)."""
+    for i, (b, h, n, dk, dv) in enumerate(_SHAPES):
+        q, k, v = random_qkv(b, h, n, dk, dv, seed=20 + i)
+        pq, pk = elu_plus_one(q), elu_plus_one(k)
+        numerator = linear_attention_right(pq, pk, v)
+        denominator = linear_attention_right(pq, pk, np.ones(v.shape[:-1] + (1,)))
+        ref = numerator / denominator
+        name = f"normalized_linear_attention on q {q.shape}, v {v.shape}"
+        got = expect_shape(name, normalized_linear_attention(q, k, v), ref.shape)
+        if relative_error(got, ref) <= 1e-9:
+            continue
+        if n > 1 and relative_error(got, numerator) <= 1e-9:
+            raise ExerciseError(f"{name} equals the numerator phi(Q)(phi(K)^T V) alone: divide each row i by phi(q_i) . z, z = sum_j phi(k_j)")
+        plain = linear_attention_right(q, k, v) / linear_attention_right(q, k, np.ones(v.shape[:-1] + (1,)))
+        if relative_error(got, plain) <= 1e-9:
+            raise ExerciseError(f"{name} matches the formula without the feature map: apply phi = elu_plus_one to q and k first")
+        expect_close(name, to_numpy(got), ref, rtol=1e-9,
+                     hint="the denominator of row i is phi(q_i) . sum_j phi(k_j), one number per row, broadcast over d_v")
+    return passed(f"normalized linear attention matches on {len(_SHAPES)} shapes; its rows are convex combinations of v")
+
