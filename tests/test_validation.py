@@ -207,6 +207,24 @@ def test_torch_device_mismatch(name):
 
 
 @pytest.mark.parametrize("name", WITH_BACKEND)
+def test_triton_backend_without_cuda_or_interpreter(name, monkeypatch):
+    # _resolve_backend reads TRITON_INTERPRET at call time; "0" stands for a machine where nobody set it.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = (torch.from_numpy(x).float() for x in qkv())
+    kw = {"do": torch.ones(BATCH, HEADS, N, D_V)} if name in WITH_DO else {}
+    with pytest.raises(ValueError, match=r"^backend='triton' needs CUDA tensors \(or TRITON_INTERPRET=1 .*\), got q on cpu$"):
+        call(name, q, k, v, backend="triton", **kw)
+
+
+@pytest.mark.parametrize("name", WITH_BACKEND)
+def test_torch_initial_state_on_another_device(name):
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    s0 = torch.zeros(BATCH, HEADS, D_K, D_V, dtype=torch.float64, device="meta")
+    with pytest.raises(ValueError, match=r"^initial_state must be on the same device as q \(cpu\), got meta$"):
+        call(name, q, k, v, backend="torch", initial_state=s0)
+
+
+@pytest.mark.parametrize("name", WITH_BACKEND)
 def test_torch_integer_tensors(name):
     q, k, v = (torch.from_numpy(x) for x in qkv())
     with pytest.raises(TypeError, match=r"^q must hold floating-point numbers, got dtype torch.int64"):
