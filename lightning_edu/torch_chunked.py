@@ -151,10 +151,11 @@ def scan_states(local, block_decay, initial=None, scan: str = "sequential"):
         initial = local.new_zeros(batch, heads, d_k, d_v)
     a = block_decay[:, :, None, None]  # (heads, n_blocks, 1, 1), broadcasts against (batch, heads, n_blocks, d_k, d_v)
     if scan == "sequential":
-        states = [initial]
-        for i in range(n_blocks):
-            states.append(a[:, i] * states[-1] + local[:, :, i])
-        return torch.stack(states, dim=2)
+        states = local.new_empty(batch, heads, n_blocks + 1, d_k, d_v)
+        states[:, :, 0] = initial
+        for i in range(n_blocks):  # one fused op per step, written in place: the steps are the cost here
+            torch.addcmul(local[:, :, i], a[:, i], states[:, :, i], out=states[:, :, i + 1])
+        return states
     x, prod = local, a.expand(heads, n_blocks, 1, 1)
     step = 1
     while step < n_blocks:  # after this step, x[i] sums L_j over i - 2 step < j <= i, prod[i] the matching decay
@@ -190,7 +191,8 @@ def _forward(q, k, v, initial_state, decay, block_size, scan):
         q, k, v, initial_state, decay, block_size
     )
     states = scan_states(local_block_states(kb, vb, k_scale), block_decay, init, scan)
-    ob = intra_block_outputs(qb, kb, vb, mask) + inter_block_outputs(qb, states[:, :, :-1], q_scale)
+    entering = states[:, :, :-1].contiguous()  # a contiguous copy lets matmul fold all blocks into one bmm
+    ob = intra_block_outputs(qb, kb, vb, mask) + inter_block_outputs(qb, entering, q_scale)
     o = ob.reshape(q.shape[0], q.shape[1], -1, v.shape[3])[:, :, :n]
     return o.to(q.dtype), states[:, :, -1]
 

@@ -1,0 +1,267 @@
+"""Time and peak memory of the torch forms against n, on CPU or CUDA. (Chapter 06.)
+
+``python -m lightning_edu.torch_sweep --out FILE [--device cuda]`` measures, for each sequence length n:
+the masked quadratic form, torch's ``scaled_dot_product_attention`` (softmax, causal), the block loop
+(Algorithm 1 as written), the chunk-parallel form and the per-token recurrent scan; then a block-size
+sweep at one n, and the headline benchmark (chunk-parallel vs recurrent vs loop at n = 16K). It writes a
+JSON file in the book's recorded-data format (machine, command, date, versions, results) that chapter 06
+plots. The quadratic forms stop at ``--max-quadratic-n`` (their n x n scores grow as n^2), the recurrent
+scan at ``--max-recurrent-n`` (its n Python steps make it slow): those limits are part of the record.
+
+Times are forward passes under ``torch.no_grad()``: the median of several runs after a warm-up, with
+CUDA events on a GPU. Peak memory is the extra memory a call allocates beyond its inputs
+(:func:`lightning_edu.measure.peak_memory_torch` on CPU, the caching allocator's peak on CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import torch_chunked as tc
+from .measure import median_time, peak_memory_torch
+
+__all__ = ["METHODS", "make_inputs", "run_method", "time_call", "peak_memory", "sweep", "block_size_sweep", "benchmark", "main"]
+
+METHODS = ("masked", "softmax", "loop", "chunked", "recurrent")
+
+
+def make_inputs(n: int, batch: int, heads: int, d: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """Seeded standard-normal q, k, v of shape (batch, heads, n, d), scaled by d^-1/2 to keep o of order 1."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, n, d, generator=gen) for _ in range(3))
+    return [(x * d**-0.5).to(device=device, dtype=dtype) for x in (q, k, v)]
+
+
+def run_method(method: str, q, k, v, decay, block_size: int | None = None):
+    """One forward pass of ``method`` (one of :data:`METHODS`); returns o."""
+    if method == "masked":
+        return tc.masked_forward(q, k, v, decay)
+    if method == "softmax":
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if method == "loop":
+        return tc.loop_forward(q, k, v, decay, block_size)[0]
+    if method == "chunked":
+        return tc.chunked_forward(q, k, v, decay, block_size)[0]
+    if method == "chunked_log":
+        return tc.chunked_forward(q, k, v, decay, block_size, scan="log")[0]
+    if method == "recurrent":
+        return tc.recurrent_forward(q, k, v, decay)[0]
+    raise ValueError(f"method must be one of {METHODS + ('chunked_log',)}, got {method!r}")
+
+
+def time_call(fn, device: str, budget_s: float = 1.0, max_repeat: int = 7) -> float:
+    """Median seconds of ``fn()``: one warm-up, then up to ``max_repeat`` runs within about ``budget_s``."""
+    if device == "cuda":
+        fn()
+        torch.cuda.synchronize()
+        samples = []
+        spent = 0.0
+        while len(samples) < max_repeat and (spent < budget_s or len(samples) < 3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+            spent += samples[-1]
+        return statistics.median(samples)
+    t0 = time.perf_counter()
+    fn()  # warm-up, and a first estimate of the cost
+    once = time.perf_counter() - t0
+    repeat = int(max(1, min(max_repeat, budget_s / max(once, 1e-9))))
+    return median_time(fn, repeat=repeat, warmup=0)
+
+
+def peak_memory(fn, device: str) -> int:
+    """Extra bytes at the peak of ``fn()`` beyond what was allocated before it."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated() - base)
+    return int(peak_memory_torch(fn))
+
+
+def sweep(sizes, methods=METHODS, *, batch=1, heads=2, d=64, dtype=torch.float32, device="cpu", decay=None,
+          block_size=64, max_quadratic_n=8192, max_recurrent_n=16384, memory=True, budget_s=1.0, log=print):
+    """Time (and peak memory) of each method at each n. Returns a list of dicts (method, n, time_s, peak_bytes)."""
+    decay = _decay(decay, heads)
+    rows = []
+    for n in sizes:
+        q, k, v = make_inputs(n, batch, heads, d, dtype, device)
+        for method in methods:
+            if method in ("masked", "softmax") and n > max_quadratic_n:
+                continue
+            if method == "recurrent" and n > max_recurrent_n:
+                continue
+            row = {"method": method, "n": int(n)}
+            try:
+                with torch.no_grad():
+                    call = lambda: run_method(method, q, k, v, decay, block_size)  # noqa: E731
+                    row["time_s"] = time_call(call, device, budget_s)
+                    if memory and not (method == "recurrent" and device == "cpu" and n > 4096):
+                        row["peak_bytes"] = peak_memory(call, device)
+            except Exception as exc:  # a failure (out of memory, say) is part of the record, not the end of it
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+            log(_fmt(row))
+        del q, k, v
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def block_size_sweep(n, block_sizes, methods=("chunked", "loop"), *, batch=1, heads=2, d=64, dtype=torch.float32,
+                     device="cpu", decay=None, budget_s=1.0, log=print):
+    """Time of the chunk-parallel and loop forms at one n for each block size B."""
+    decay = _decay(decay, heads)
+    q, k, v = make_inputs(n, batch, heads, d, dtype, device)
+    rows = []
+    for block in block_sizes:
+        for method in methods:
+            with torch.no_grad():
+                t = time_call(lambda: run_method(method, q, k, v, decay, block), device, budget_s)
+            rows.append({"method": method, "n": int(n), "block_size": int(block), "time_s": t})
+            log(_fmt(rows[-1]))
+    return rows
+
+
+def benchmark(n=16384, *, batch=1, heads=2, d=64, dtype=torch.float32, device="cpu", decay=None, block_size=64, log=print):
+    """The chapter's headline figures at one n: chunk-parallel (both scans) vs per-token recurrent vs loop."""
+    decay = _decay(decay, heads)
+    q, k, v = make_inputs(n, batch, heads, d, dtype, device)
+    times = {}
+    with torch.no_grad():
+        for method, budget in (("chunked", 2.0), ("chunked_log", 2.0), ("loop", 3.0), ("recurrent", 6.0)):
+            times[method] = time_call(lambda: run_method(method, q, k, v, decay, block_size), device, budget, max_repeat=5)
+            log(f"benchmark n={n}: {method:<12s} {times[method] * 1e3:10.2f} ms")
+        o_fast = run_method("chunked", q, k, v, decay, block_size)
+        o_rec = run_method("recurrent", q, k, v, decay, block_size)
+    rel = float((o_fast.double() - o_rec.double()).norm() / o_rec.double().norm())
+    result = {
+        "n": int(n), "block_size": block_size, "time_s": times,
+        "speedup_vs_recurrent": times["recurrent"] / times["chunked"],
+        "speedup_vs_loop": times["loop"] / times["chunked"],
+        "relative_difference_chunked_vs_recurrent": rel,
+    }
+    log(f"benchmark n={n}: chunked is {result['speedup_vs_recurrent']:.1f}x faster than recurrent, "
+        f"{result['speedup_vs_loop']:.1f}x faster than loop (outputs agree to {rel:.1e})")
+    return result
+
+
+def _decay(decay, heads):
+    # Per-head decays spread as in the paper's heads (slow to fast forgetting); lambda = 1 would hide decay bugs.
+    return np.linspace(0.999, 0.9, heads) if decay is None else decay
+
+
+def _fmt(row) -> str:
+    t = row.get("time_s")
+    mem = row.get("peak_bytes")
+    extra = f" B={row['block_size']:4d}" if "block_size" in row else ""
+    return (f"{row['method']:<10s} n={row['n']:6d}{extra} " + (f"{t * 1e3:10.2f} ms" if t is not None else "")
+            + (f" {mem / 2**20:9.1f} MiB" if mem is not None else "") + (f" {row['error']}" if "error" in row else ""))
+
+
+def machine_description(device: str) -> dict:
+    """Where the numbers came from: CPU model and cores, or the GPU and its driver; library versions."""
+    info = {"torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if device == "cuda":
+        info["machine"] = f"{torch.cuda.get_device_name()} ({platform.machine()}, {os.cpu_count()} CPU cores)"
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            info["driver"] = out.stdout.strip().splitlines()[0]
+        except Exception:  # no nvidia-smi: the driver stays unnamed rather than invented
+            pass
+    else:
+        model = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        info["machine"] = f"{model}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+    return info
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m lightning_edu.torch_sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
+                        help="default float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--batch", type=int, default=None, help="default 1 on CPU, 4 on CUDA")
+    parser.add_argument("--heads", type=int, default=None, help="default 2 on CPU, 8 on CUDA")
+    parser.add_argument("--dim", type=int, default=64, help="d_k = d_v")
+    parser.add_argument("--min-n", type=int, default=256)
+    parser.add_argument("--max-n", type=int, default=65536)
+    parser.add_argument("--max-quadratic-n", type=int, default=8192)
+    parser.add_argument("--max-recurrent-n", type=int, default=16384)
+    parser.add_argument("--bench-n", type=int, default=16384)
+    parser.add_argument("--block-sizes", default="16,32,48,64,96,128,256,512")
+    parser.add_argument("--budget", type=float, default=1.0, help="seconds of repeats per timed point")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ns = parser.parse_args(argv)
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    cuda = ns.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no CUDA device")
+    dtype = getattr(torch, ns.dtype or ("bfloat16" if cuda else "float32"))
+    batch = ns.batch or (4 if cuda else 1)
+    heads = ns.heads or (8 if cuda else 2)
+    config = {"batch": batch, "heads": heads, "d_k": ns.dim, "d_v": ns.dim, "dtype": str(dtype).replace("torch.", ""),
+              "device": ns.device, "decay": [round(float(x), 6) for x in _decay(None, heads)], "block_size": 64,
+              "max_quadratic_n": ns.max_quadratic_n, "max_recurrent_n": ns.max_recurrent_n}
+    record = {**machine_description(ns.device),
+              "command": "python -m lightning_edu.torch_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "config": config, "results": {}}
+    out = Path(ns.out)
+
+    def save():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1) + "\n")
+
+    def log(line):
+        print(line, flush=True)
+
+    kw = dict(batch=batch, heads=heads, d=ns.dim, dtype=dtype, device=ns.device, log=log)
+    log(f"{record['machine']} | torch {record['torch']} | {config}")
+    sizes = [n for n in (2**p for p in range(6, 21)) if ns.min_n <= n <= ns.max_n]
+    record["results"]["benchmark"] = benchmark(ns.bench_n, **kw)
+    save()
+    record["results"]["sweep"] = sweep(sizes, max_quadratic_n=ns.max_quadratic_n, max_recurrent_n=ns.max_recurrent_n,
+                                       budget_s=ns.budget, **kw)
+    save()
+    blocks = [int(b) for b in ns.block_sizes.split(",")]
+    record["results"]["block_sizes"] = block_size_sweep(ns.bench_n, blocks, budget_s=ns.budget, **kw)
+    save()
+    log(f"wrote {out}")
+    return record
+
+
+if __name__ == "__main__":
+    main()
