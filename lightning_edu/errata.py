@@ -24,14 +24,13 @@ from typing import Callable
 import numpy as np
 
 from .checks import relative_error
-from .numpy_blockwise import blockwise_backward
 from .numpy_reference import causal_linear_recurrent
 from .validation import validate_attention_args, validate_block_size, validate_decay
 
 __all__ = [
     "autograd_gradients", "finite_difference_gradients",
     "eq11_eq12_token_gradients", "eq13_dkv_definition", "eq20_dkv_recursion", "eq20_dkv_recursion_corrected",
-    "dq_eq15", "dk_eq16", "dk_eq17", "dv_eq18_literal", "dv_eq19", "algorithm2",
+    "dq_eq15", "dk_eq16", "dk_eq17", "dv_eq18_literal", "dv_eq18", "dv_eq19", "algorithm2",
     "la3_forward", "la3_backward", "la3_current_buffer_table",
     "Erratum", "ERRATA", "evidence",
 ]
@@ -629,9 +628,3 @@ def evidence(erratum: Erratum, n: int | None = None, d_k: int = 5, d_v: int = 3,
             out["nonfinite"] = bad
     return out
 
-
-def package_matches_autograd(q, k, v, do, decay=1.0, block_size=None) -> float:
-    """Largest relative error of the package's Algorithm 2 (dq, dk, dv) against :func:`autograd_gradients`."""
-    mine = blockwise_backward(q, k, v, do, decay, block_size)[:3]
-    truth = autograd_gradients(q, k, v, do, decay)[:3]
-    return max(relative_error(a, b) for a, b in zip(mine, truth))
