@@ -10,7 +10,7 @@ scan at ``--max-recurrent-n`` (its n Python steps make it slow): those limits ar
 
 Times are forward passes under ``torch.no_grad()``: the median of several runs after a warm-up, with
 CUDA events on a GPU. Peak memory is the extra memory a call allocates beyond its inputs
-(:func:`lightning_edu.measure.peak_memory_torch` on CPU, the caching allocator's peak on CUDA).
+(:func:`lightning_edu.measure._peak_memory_torch` on CPU, the caching allocator's peak on CUDA).
 """
 
 from __future__ import annotations
@@ -30,21 +30,21 @@ import numpy as np
 import torch
 
 from . import torch_chunked as tc
-from .measure import median_time, peak_memory_torch
+from .measure import median_time, _peak_memory_torch
 
-__all__ = ["METHODS", "make_inputs", "run_method", "time_call", "peak_memory", "sweep", "block_size_sweep", "benchmark", "main"]
+__all__ = ["METHODS", "sweep_inputs", "run_form", "sweep_forms", "sweep_block_sizes", "headline_benchmark"]
 
 METHODS = ("masked", "softmax", "loop", "chunked", "recurrent")
 
 
-def make_inputs(n: int, batch: int, heads: int, d: int, dtype: torch.dtype, device: str, seed: int = 0):
+def sweep_inputs(n: int, batch: int, heads: int, d: int, dtype: torch.dtype, device: str, seed: int = 0):
     """Seeded standard-normal q, k, v of shape (batch, heads, n, d), scaled by d^-1/2 to keep o of order 1."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     q, k, v = (torch.randn(batch, heads, n, d, generator=gen) for _ in range(3))
     return [(x * d**-0.5).to(device=device, dtype=dtype) for x in (q, k, v)]
 
 
-def run_method(method: str, q, k, v, decay, block_size: int | None = None):
+def run_form(method: str, q, k, v, decay, block_size: int | None = None):
     """One forward pass of ``method`` (one of :data:`METHODS`); returns o."""
     if method == "masked":
         return tc.masked_forward(q, k, v, decay)
@@ -61,7 +61,7 @@ def run_method(method: str, q, k, v, decay, block_size: int | None = None):
     raise ValueError(f"method must be one of {METHODS + ('chunked_log',)}, got {method!r}")
 
 
-def time_call(fn, device: str, budget_s: float = 1.0, max_repeat: int = 7) -> tuple[float, float]:
+def _time_call(fn, device: str, budget_s: float = 1.0, max_repeat: int = 7) -> tuple[float, float]:
     """(median, min) seconds of ``fn()``: one warm-up, then 3 to ``max_repeat`` runs within about ``budget_s``.
 
     The median is what the chapter plots; the minimum is kept too because on a shared machine other
@@ -91,25 +91,25 @@ def time_call(fn, device: str, budget_s: float = 1.0, max_repeat: int = 7) -> tu
     return statistics.median(samples), min(samples)
 
 
-def peak_memory(fn, device: str) -> int:
+def _peak_memory(fn, device: str) -> int:
     """Extra bytes at the peak of ``fn()`` beyond what was allocated before it."""
     if device == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset__peak_memory_stats()
         base = torch.cuda.memory_allocated()
         fn()
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated() - base)
-    return int(peak_memory_torch(fn))
+    return int(_peak_memory_torch(fn))
 
 
-def sweep(sizes, methods=METHODS, *, batch=1, heads=2, d=64, dtype=torch.float32, device="cpu", decay=None,
+def sweep_forms(sizes, methods=METHODS, *, batch=1, heads=2, d=64, dtype=torch.float32, device="cpu", decay=None,
           block_size=64, max_quadratic_n=8192, max_recurrent_n=16384, memory=True, budget_s=1.0, log=print):
     """Time (and peak memory) of each method at each n. Returns a list of dicts (method, n, time_s, peak_bytes)."""
     decay = _decay(decay, heads)
     rows = []
     for n in sizes:
-        q, k, v = make_inputs(n, batch, heads, d, dtype, device)
+        q, k, v = sweep_inputs(n, batch, heads, d, dtype, device)
         for method in methods:
             if method in ("masked", "softmax") and n > max_quadratic_n:
                 continue
@@ -118,10 +118,10 @@ def sweep(sizes, methods=METHODS, *, batch=1, heads=2, d=64, dtype=torch.float32
             row = {"method": method, "n": int(n)}
             try:
                 with torch.no_grad():
-                    call = lambda: run_method(method, q, k, v, decay, block_size)  # noqa: E731
-                    row["time_s"], row["min_s"] = time_call(call, device, budget_s)
+                    call = lambda: run_form(method, q, k, v, decay, block_size)  # noqa: E731
+                    row["time_s"], row["min_s"] = _time_call(call, device, budget_s)
                     if memory and not (method == "recurrent" and device == "cpu" and n > 4096):
-                        row["peak_bytes"] = peak_memory(call, device)
+                        row["peak_bytes"] = _peak_memory(call, device)
             except Exception as exc:  # a failure (out of memory, say) is part of the record, not the end of it
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             rows.append(row)
@@ -132,32 +132,32 @@ def sweep(sizes, methods=METHODS, *, batch=1, heads=2, d=64, dtype=torch.float32
     return rows
 
 
-def block_size_sweep(n, block_sizes, methods=("chunked", "loop"), *, batch=1, heads=2, d=64, dtype=torch.float32,
+def sweep_block_sizes(n, block_sizes, methods=("chunked", "loop"), *, batch=1, heads=2, d=64, dtype=torch.float32,
                      device="cpu", decay=None, budget_s=1.0, log=print):
     """Time of the chunk-parallel and loop forms at one n for each block size B."""
     decay = _decay(decay, heads)
-    q, k, v = make_inputs(n, batch, heads, d, dtype, device)
+    q, k, v = sweep_inputs(n, batch, heads, d, dtype, device)
     rows = []
     for block in block_sizes:
         for method in methods:
             with torch.no_grad():
-                t, t_min = time_call(lambda: run_method(method, q, k, v, decay, block), device, budget_s)
+                t, t_min = _time_call(lambda: run_form(method, q, k, v, decay, block), device, budget_s)
             rows.append({"method": method, "n": int(n), "block_size": int(block), "time_s": t, "min_s": t_min})
             log(_fmt(rows[-1]))
     return rows
 
 
-def benchmark(n=16384, *, batch=1, heads=2, d=64, dtype=torch.float32, device="cpu", decay=None, block_size=64, log=print):
+def headline_benchmark(n=16384, *, batch=1, heads=2, d=64, dtype=torch.float32, device="cpu", decay=None, block_size=64, log=print):
     """The chapter's headline figures at one n: chunk-parallel (both scans) vs per-token recurrent vs loop."""
     decay = _decay(decay, heads)
-    q, k, v = make_inputs(n, batch, heads, d, dtype, device)
+    q, k, v = sweep_inputs(n, batch, heads, d, dtype, device)
     times, mins = {}, {}
     with torch.no_grad():
         for method, budget in (("chunked", 2.0), ("chunked_log", 2.0), ("loop", 3.0), ("recurrent", 6.0)):
-            times[method], mins[method] = time_call(lambda: run_method(method, q, k, v, decay, block_size), device, budget, max_repeat=7)
+            times[method], mins[method] = _time_call(lambda: run_form(method, q, k, v, decay, block_size), device, budget, max_repeat=7)
             log(f"benchmark n={n} threads={torch.get_num_threads()}: {method:<12s} median {times[method] * 1e3:10.2f} ms, min {mins[method] * 1e3:10.2f} ms")
-        o_fast = run_method("chunked", q, k, v, decay, block_size)
-        o_rec = run_method("recurrent", q, k, v, decay, block_size)
+        o_fast = run_form("chunked", q, k, v, decay, block_size)
+        o_rec = run_form("recurrent", q, k, v, decay, block_size)
     rel = float((o_fast.double() - o_rec.double()).norm() / o_rec.double().norm())
     result = {
         "n": int(n), "block_size": block_size, "threads": torch.get_num_threads() if device == "cpu" else None,
@@ -187,7 +187,7 @@ def _fmt(row) -> str:
             + (f" {mem / 2**20:9.1f} MiB" if mem is not None else "") + (f" {row['error']}" if "error" in row else ""))
 
 
-def machine_description(device: str) -> dict:
+def _machine_description(device: str) -> dict:
     """Where the numbers came from: CPU model and cores, or the GPU and its driver; library versions."""
     info = {"torch": torch.__version__}
     try:
@@ -217,7 +217,7 @@ def machine_description(device: str) -> dict:
     return info
 
 
-def main(argv=None) -> dict:
+def _main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m lightning_edu.torch_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -247,7 +247,7 @@ def main(argv=None) -> dict:
     config = {"batch": batch, "heads": heads, "d_k": ns.dim, "d_v": ns.dim, "dtype": str(dtype).replace("torch.", ""),
               "device": ns.device, "decay": [round(float(x), 6) for x in _decay(None, heads)], "block_size": 64,
               "max_quadratic_n": ns.max_quadratic_n, "max_recurrent_n": ns.max_recurrent_n}
-    record = {**machine_description(ns.device),
+    record = {**_machine_description(ns.device),
               "command": "python -m lightning_edu.torch_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "config": config, "results": {}}
@@ -263,25 +263,25 @@ def main(argv=None) -> dict:
     kw = dict(batch=batch, heads=heads, d=ns.dim, dtype=dtype, device=ns.device, log=log)
     log(f"{record['machine']} | torch {record['torch']} | {config}")
     sizes = [n for n in (2**p for p in range(6, 21)) if ns.min_n <= n <= ns.max_n]
-    record["results"]["benchmark"] = benchmark(ns.bench_n, **kw)
+    record["results"]["benchmark"] = headline_benchmark(ns.bench_n, **kw)
     save()
     if ns.bench_threads and not cuda:  # the same benchmark at other thread counts: how each form uses the cores
         default_threads = torch.get_num_threads()
         record["results"]["benchmark_threads"] = {}
         for threads in (int(t) for t in ns.bench_threads.split(",")):
             torch.set_num_threads(threads)
-            record["results"]["benchmark_threads"][str(threads)] = benchmark(ns.bench_n, **kw)
+            record["results"]["benchmark_threads"][str(threads)] = headline_benchmark(ns.bench_n, **kw)
             save()
         torch.set_num_threads(default_threads)
-    record["results"]["sweep"] = sweep(sizes, max_quadratic_n=ns.max_quadratic_n, max_recurrent_n=ns.max_recurrent_n,
+    record["results"]["sweep"] = sweep_forms(sizes, max_quadratic_n=ns.max_quadratic_n, max_recurrent_n=ns.max_recurrent_n,
                                        budget_s=ns.budget, **kw)
     save()
     blocks = [int(b) for b in ns.block_sizes.split(",")]
-    record["results"]["block_sizes"] = block_size_sweep(ns.bench_n, blocks, budget_s=ns.budget, **kw)
+    record["results"]["block_sizes"] = sweep_block_sizes(ns.bench_n, blocks, budget_s=ns.budget, **kw)
     save()
     log(f"wrote {out}")
     return record
 
 
 if __name__ == "__main__":
-    main()
+    _main()
