@@ -181,3 +181,31 @@ def test_no_package_function_redefined(chapter):
         assert not clash, (
             f"cell {i} re-defines {clash}, which lightning_edu defines: import it and show it with show_source instead"
         )
+
+
+# nbval recognises a marker only when the whole comment is the marker: `# NBVAL_IGNORE_OUTPUT (timings)` is
+# silently NOT a marker, and the cell's output is then compared after all.
+NBVAL_MARKERS = {"NBVAL_IGNORE_OUTPUT", "NBVAL_CHECK_OUTPUT", "NBVAL_RAISES_EXCEPTION", "NBVAL_SKIP"}
+
+
+def test_nbval_marker_rule_matches_nbval():
+    from nbval.plugin import comment_markers, find_comment_markers
+
+    assert NBVAL_MARKERS <= set(comment_markers)
+    assert list(find_comment_markers("# NBVAL_IGNORE_OUTPUT\nx = 1")) == [("check", False)]
+    assert list(find_comment_markers("# NBVAL_IGNORE_OUTPUT (timings)\nx = 1")) == []  # the trap this test guards
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=IDS)
+def test_nbval_markers_are_exact(chapter):
+    for i, cell in enumerate(notebook(chapter).cells):
+        if cell.cell_type != "code":
+            continue
+        for line in cell.source.splitlines():
+            stripped = line.strip()
+            if stripped.startswith("#") and "NBVAL_" in stripped:
+                comment = stripped.lstrip("#").strip()
+                assert comment in NBVAL_MARKERS, (
+                    f"cell {i}: {stripped!r} is not an nbval marker (nbval needs the comment to be exactly one of "
+                    f"{sorted(NBVAL_MARKERS)}); put any explanation on the next line"
+                )
