@@ -91,20 +91,16 @@ def test_state_step_broadcast_error_is_explained():
         check_state_step(lambda kv, k, v, lam: lam[:, None] * kv + k[..., :, None] * v[..., None, :])
 
 
-def test_state_step_transposed_outer_with_square_state():
-    # From the second case on d_k == d_v, so only the values can tell k^T v from v^T k.
+def test_state_step_transposed_outer_with_square_state(monkeypatch):
+    # With d_k == d_v the shapes agree, so only the values can tell k^T v from v^T k.
     from lightning_edu.exercises import ch00
 
     def transposed(kv, k, v, lam):
         return lam[:, None, None] * kv + v[..., :, None] * k[..., None, :]
 
-    shapes = ch00._STEP_SHAPES
-    try:
-        ch00._STEP_SHAPES = [(1, 3, 4, 4)]
-        with pytest.raises(ExerciseError, match=r"adds v_t\^T k_t: the outer product must be k_t\^T v_t"):
-            check_state_step(transposed)
-    finally:
-        ch00._STEP_SHAPES = shapes
+    monkeypatch.setattr(ch00, "_STEP_SHAPES", [(1, 3, 4, 4)])
+    with pytest.raises(ExerciseError, match=r"adds v_t\^T k_t: the outer product must be k_t\^T v_t"):
+        check_state_step(transposed)
 
 
 # ---------------------------------------------------------------- 0.3
