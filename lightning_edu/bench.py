@@ -320,29 +320,48 @@ def run_table(args) -> dict:
 
 
 def run_tune(args) -> dict:
-    """Sweep la2_fast tiles at a few sizes; report every config (chapter 07 plots the spread)."""
+    """Sweep the la2_fast tiles: forward kernel (also used for dQ) and the fused dK/dV kernel, separately."""
     import itertools
 
     import torch
+    from triton.testing import do_bench
+
+    from .triton_kernels import log2_decay_tensor
+    from .triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
 
     data = _environment()
-    bw = copy_bandwidth()
-    data["copy_bandwidth_bytes_per_s"] = bw
+    data["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
+    fwd_grid = [("fwd", d, T, dict(block=b, block_dv=bv, num_warps=w, num_stages=st))
+                for d, T, b, bv, w, st in itertools.product(args.D, args.T, (32, 64, 128), (32, 64, 128), (4, 8), (2, 3))]
+    bwd_grid = [("dkdv", d, T, dict(dkdv_block=b, dkdv_warps=w, dkdv_stages=st))
+                for d, T, b, w, st in itertools.product(args.D, args.T, (16, 32, 64), (4, 8), (1, 2))]
     results = []
-    grid = list(itertools.product(args.D, args.T, (32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3)))
-    for i, (d, T, block, block_dv, warps, stages) in enumerate(grid):
-        _progress(i, len(grid), f"D={d} T={T} B={block} dv={block_dv} w={warps} s={stages}")
+    grid = fwd_grid + bwd_grid
+    for i, (kind, d, T, cfg) in enumerate(grid):
+        _progress(i, len(grid), f"{kind} D={d} T={T} {cfg}")
         batch = max(1, args.tokens // T)
         q, k, v, do = _inputs(batch, args.H, T, d, torch.bfloat16)
-        make = _ours("la2_fast", block=block, block_dv=block_dv, num_warps=warps, num_stages=stages)
-        row = {"T": T, "D": d, "block": block, "block_dv": block_dv, "num_warps": warps, "num_stages": stages}
+        l2 = log2_decay_tensor(head_decays(args.H), "cuda")
+        row = {"kind": kind, "T": T, "D": d, **cfg}
         try:
-            row.update(_measure(make, q, k, v, head_decays(args.H), do))
+            if kind == "fwd":
+                fn = lambda: la2_fast_forward(q, k, v, l2, None, **cfg)  # noqa: E731
+            else:
+                fn = lambda: la2_fast_backward(q, k, v, do, l2, None, None, **cfg)  # noqa: E731
+            fn()
+            row["ms"] = do_bench(fn, warmup=10, rep=50, return_mode="median")
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:200]
         results.append(row)
     _progress(len(grid), len(grid), "done")
     data["results"] = results
+    for kind in ("fwd", "dkdv"):
+        for d in args.D:
+            for T in args.T:
+                rows = [r for r in results if r["kind"] == kind and r["D"] == d and r["T"] == T and "ms" in r]
+                if rows:
+                    best = min(rows, key=lambda r: r["ms"])
+                    print(f"best {kind} D={d} T={T}: {best['ms']:.3f} ms {best}")
     return data
 
 

@@ -255,8 +255,12 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int = 64, b
 
 def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None, block: int = 64,
                       block_dv: int = 64, num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None,
-                      dkdv_warps: int = 8):
-    """Segmented backward. Returns (dq, dk, dv, d_initial_state fp32)."""
+                      dkdv_block: int | None = None, dkdv_warps: int = 8, dkdv_stages: int | None = None):
+    """Segmented backward. Returns (dq, dk, dv, d_initial_state fp32).
+
+    dQ runs the forward kernel with (block, block_dv, num_warps, num_stages); the fused dK/dV kernel holds
+    the whole d_k x d_v state and has its own tiles (dkdv_block, dkdv_warps, dkdv_stages; default: the same).
+    """
     import torch
 
     batch, heads, n, d_k = q.shape
@@ -265,6 +269,10 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     s0t = initial_state.float().transpose(-1, -2).contiguous() if initial_state is not None else None
     dq, _ = _forward_form(do, v, k, log2_decay, s0t, False, block, block_dv, num_warps, num_stages, seg_len)
     # dK, dV: one reverse sweep over the shared state dKV.
+    block = dkdv_block or block
+    dkdv_stages = dkdv_stages or num_stages
+    if seg_len is not None and seg_len % block:
+        seg_len = -(-seg_len // block) * block
     num_seg, seg_len_ = choose_segments(batch * heads, n, block, _sm_count(q.device), seg_len)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
@@ -278,7 +286,7 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
         )
     _la2_fast_dkdv_kernel[(batch * heads, num_seg)](
         q, k, v, do, dk, dv, x_end, seg, log2_decay, n, heads, seg_len_, D_K=d_k, D_V=d_v, PAD_K=pad_k,
-        PAD_V=pad_v, BLOCK=block, STORE_XN=True, PRECISION=_precision(q), num_warps=dkdv_warps, num_stages=num_stages,
+        PAD_V=pad_v, BLOCK=block, STORE_XN=True, PRECISION=_precision(q), num_warps=dkdv_warps, num_stages=dkdv_stages,
     )
     # x_end = sum_t lambda^t q_t^T do_t (0-based t); dL/dS0 = sum_t lambda^(t+1) q_t^T do_t (+ lambda^n dSN).
     lam = torch.exp2(log2_decay.double()).view(1, heads, 1, 1)

@@ -171,6 +171,12 @@ def _pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def _block_cap(*dims: int) -> int:
+    # Everything is upcast to fp32 on chip, so wide heads need short blocks to fit in shared memory
+    # (an H200 refused 64 x 128 fp32 tiles): 64 rows up to d = 64, 32 at 128, 16 at 256.
+    return {16: 64, 32: 64, 64: 64, 128: 32}.get(max(_pad(d) for d in dims), 16)
+
+
 def _precision(x) -> str:
     import torch
 
@@ -179,11 +185,12 @@ def _precision(x) -> str:
 
 
 def la2_literal_forward(q, k, v, log2_decay, initial_state=None, block: int = 64):
-    """Run Algorithm 1. Returns (o, final_state fp32)."""
+    """Run Algorithm 1. Returns (o, final_state fp32). ``block`` is capped by the head dims (see _block_cap)."""
     import torch
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
+    block = min(block, _block_cap(d_k, d_v))
     o = torch.empty_like(v)
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     block_dv = min(_pad(d_v), 64)
@@ -198,11 +205,12 @@ def la2_literal_forward(q, k, v, log2_decay, initial_state=None, block: int = 64
 
 
 def la2_literal_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None, block: int = 64):
-    """Run Algorithm 2. Returns (dq, dk, dv, d_initial_state fp32)."""
+    """Run Algorithm 2. Returns (dq, dk, dv, d_initial_state fp32). ``block`` is capped as in the forward."""
     import torch
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
+    block = min(block, _block_cap(d_k, d_v))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ds0 = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     block_dk = min(_pad(d_k), 64)
