@@ -10,7 +10,7 @@ scan at ``--max-recurrent-n`` (its n Python steps make it slow): those limits ar
 
 Times are forward passes under ``torch.no_grad()``: the median of several runs after a warm-up, with
 CUDA events on a GPU. Peak memory is the extra memory a call allocates beyond its inputs
-(:func:`lightning_edu.measure._peak_memory_torch` on CPU, the caching allocator's peak on CUDA).
+(:func:`lightning_edu.measure.peak_memory_torch` on CPU, the caching allocator's peak on CUDA).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import torch_chunked as tc
-from .measure import median_time, _peak_memory_torch
+from .measure import median_time, peak_memory_torch
 
 __all__ = ["METHODS", "sweep_inputs", "run_form", "sweep_forms", "sweep_block_sizes", "headline_benchmark"]
 
@@ -100,7 +100,7 @@ def _peak_memory(fn, device: str) -> int:
         fn()
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated() - base)
-    return int(_peak_memory_torch(fn))
+    return int(peak_memory_torch(fn))
 
 
 def sweep_forms(sizes, methods=METHODS, *, batch=1, heads=2, d=64, dtype=torch.float32, device="cpu", decay=None,
