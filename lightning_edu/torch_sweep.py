@@ -95,7 +95,7 @@ def _peak_memory(fn, device: str) -> int:
     """Extra bytes at the peak of ``fn()`` beyond what was allocated before it."""
     if device == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.reset__peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         fn()
         torch.cuda.synchronize()
