@@ -11,7 +11,7 @@ import triton.language as tl
 
 from lightning_edu.exercises import ExerciseError
 from lightning_edu.exercises.ch07 import check_decay_tile, check_inter_block_kernel
-from lightning_edu.exercises.ch08 import check_reverse_sweep_kernel
+from lightning_edu.exercises.ch08 import check_la1_dq_kernel, check_reverse_sweep_kernel
 
 
 class _with:
@@ -159,3 +159,45 @@ def test_reverse_sweep_solution_passes(capsys):
 def test_reverse_sweep_mistakes(mistake, message):
     with pytest.raises(ExerciseError, match=message):
         check_reverse_sweep_kernel(_with(reverse_kernel, MISTAKE=mistake))
+
+
+@triton.jit
+def la1_dq_kernel(K, V, DO, DQ, LOG2_DECAY, n, H, D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr,
+                  MISTAKE: tl.constexpr):
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    log2_lam = tl.load(LOG2_DECAY + bh % H)
+    r = tl.arange(0, BLOCK)
+    ck = tl.arange(0, D_K)
+    cv = tl.arange(0, D_V)
+    rows = i * BLOCK + r
+    do = tl.load(DO + bh * n * D_V + rows[:, None] * D_V + cv[None, :], mask=(rows < n)[:, None], other=0.0)
+    acc = tl.zeros((BLOCK, D_K), dtype=tl.float32)
+    end = (i + 1) * BLOCK
+    if MISTAKE == 1:  # stops before the diagonal tile
+        end = i * BLOCK
+    for start in range(0, end, BLOCK):
+        cols = start + r
+        k = tl.load(K + bh * n * D_K + cols[:, None] * D_K + ck[None, :], mask=(cols < n)[:, None], other=0.0)
+        v = tl.load(V + bh * n * D_V + cols[:, None] * D_V + cv[None, :], mask=(cols < n)[:, None], other=0.0)
+        distance = rows[:, None] - cols[None, :]
+        if MISTAKE == 2:  # distance inside the tile only, as if every tile were on the diagonal
+            distance = r[:, None] - r[None, :]
+        keep = (rows[:, None] - cols[None, :] >= 0) & (cols[None, :] < n)
+        decay = tl.where(keep, tl.exp2(log2_lam * tl.maximum(distance, 0).to(tl.float32)), 0.0)
+        acc += tl.dot(tl.dot(do, tl.trans(v)) * decay, k)
+    tl.store(DQ + bh * n * D_K + rows[:, None] * D_K + ck[None, :], acc, mask=(rows < n)[:, None])
+
+
+def test_la1_dq_solution_passes(capsys):
+    assert check_la1_dq_kernel(_with(la1_dq_kernel, MISTAKE=0)) is True
+    assert "Correct: dq_kernel matches LA-1's dQ" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake,message", [
+    (1, r"dq differs first in query block 0, rows 0-15, .*must include the diagonal tile"),
+    (2, r"dq differs first in query block 1, rows 16-31, .*absolute positions"),
+])
+def test_la1_dq_mistakes(mistake, message):
+    with pytest.raises(ExerciseError, match=message):
+        check_la1_dq_kernel(_with(la1_dq_kernel, MISTAKE=mistake))

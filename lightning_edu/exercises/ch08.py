@@ -15,7 +15,7 @@ from ..numpy_blockwise import blockwise_backward
 from ._core import ExerciseError, expect_shape, passed
 from .ch07 import _device, _launch_error, tolerance
 
-__all__ = ["check_reverse_sweep_kernel"]
+__all__ = ["check_reverse_sweep_kernel", "check_la1_dq_kernel"]
 
 _SHAPES = [  # (batch, heads, n, d_k, d_v, decays)
     (1, 2, 53, 16, 32, [0.9, 0.5]),
@@ -82,3 +82,51 @@ def check_reverse_sweep_kernel(reverse_kernel, block: int = 16) -> bool:
             )
     return passed(f"reverse_kernel matches Algorithm 2 (numpy, float64) on {len(_SHAPES)} shapes: dK, dV and dKV_0, "
                   "partial last blocks, per-head decay")
+
+
+_LA1_SHAPES = [  # (batch, heads, n, d_k, d_v, decays)
+    (1, 2, 45, 16, 32, [0.9, 0.5]),
+    (2, 1, 33, 32, 16, [1.0]),
+]
+
+
+def check_la1_dq_kernel(dq_kernel, block: int = 16) -> bool:
+    """``dq_kernel[(cdiv(n, 16), batch * heads)](K, V, DO, DQ, LOG2_DECAY, n, H, D_K=, D_V=, BLOCK=16)`` must
+    compute LA-1's dQ_i = sum over key blocks j <= i of [(dO_i V_j^T) * D_ij] K_j for contiguous fp32
+    (batch, heads, n, d) tensors, one program per (query block, batch * head)."""
+    import torch
+
+    dev = _device()
+    rtol = tolerance()
+    for i, (batch, heads, n, d_k, d_v, decay) in enumerate(_LA1_SHAPES):
+        q, k, v = random_qkv(batch, heads, n, d_k, d_v, seed=60 + i)
+        do = np.random.default_rng(65 + i).standard_normal(v.shape)
+        dq_ref = blockwise_backward(q, k, v, do, decay, block_size=block)[0]
+        t = [torch.tensor(x, dtype=torch.float32, device=dev) for x in (k, v, do)]
+        dq = torch.full((batch, heads, n, d_k), float("nan"), dtype=torch.float32, device=dev)
+        log2_decay = torch.tensor(np.log2(decay), dtype=torch.float32, device=dev)
+        grid = (-(-n // block), batch * heads)
+        try:
+            dq_kernel[grid](*t, dq, log2_decay, n, heads, D_K=d_k, D_V=d_v, BLOCK=block)
+        except Exception as exc:
+            raise _launch_error("dq_kernel", exc) from exc
+        got = expect_shape("dq", dq, dq_ref.shape)
+        bad = (np.abs(got - dq_ref) > rtol * np.abs(dq_ref).max()) | np.isnan(got)
+        rows = np.flatnonzero(bad.any(axis=(0, 1, 3)))
+        if rows.size == 0:
+            continue
+        blk = int(rows[0]) // block
+        case = f"(batch {batch}, heads {heads}, n {n}, d_k {d_k}, d_v {d_v}, lambda {decay})"
+        where = f"dq differs first in query block {blk}, rows {blk * block}-{min(n, blk * block + block) - 1}, for {case}"
+        if np.isnan(got).any():
+            hint = "some rows are NaN: store every valid row of the program's block, and mask loads past n with other=0"
+        elif blk == 0:
+            hint = ("query block 0 sees only key block 0: the loop must include the diagonal tile j = i, with the "
+                    "entries above the diagonal (key after query) set to 0")
+        else:
+            hint = ("block 0 is right, so the diagonal tile is; the off-diagonal tiles are not: "
+                    "D_ij[r, s] = lambda^((i B + r) - (j B + s)) counts the distance in absolute positions, and the "
+                    "loop runs over every key block j = 0 .. i")
+        raise ExerciseError(f"{where}: {hint}")
+    return passed(f"dq_kernel matches LA-1's dQ (numpy Algorithm 2, float64) on {len(_LA1_SHAPES)} shapes with partial "
+                  "last blocks and per-head decay")
