@@ -17,7 +17,7 @@ import numpy as np
 
 BACKENDS = ("auto", "numpy", "torch", "triton")
 
-__all__ = ["BACKENDS", "AttentionArgs", "validate_attention_args", "validate_decay", "validate_block_size", "validate_choice", "validate_positive_int"]
+__all__ = ["BACKENDS", "validate_kernel_dtype", "AttentionArgs", "validate_attention_args", "validate_decay", "validate_block_size", "validate_choice", "validate_positive_int"]
 
 
 def _torch():
@@ -237,3 +237,13 @@ def validate_positive_int(name: str, value: Any) -> int:
     if value < 1:
         raise ValueError(f"{name} must be a positive integer (>= 1), got {value}")
     return int(value)
+
+
+KERNEL_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def validate_kernel_dtype(name: str, x: Any) -> None:
+    """Triton kernels load fp32, fp16 or bf16 tiles (``tl.dot`` has no float64 on a GPU). (Chapter 07.)"""
+    dtype = str(getattr(x, "dtype", type(x).__name__)).replace("torch.", "")
+    if dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16 for the Triton kernels, got {dtype}")

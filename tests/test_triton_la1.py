@@ -90,5 +90,7 @@ def test_arguments_are_checked():
         la1_forward(y, y, y, block_size=8)
     with pytest.raises(ValueError, match="decay must lie in"):
         la1_forward(y, y, y, decay=1.5)
+    with pytest.raises(ValueError, match="d_k, d_v <= 256"):
+        la1_forward(y, y, torch.zeros(1, 1, 4, 512, device=DEVICE))
     with pytest.raises(ValueError, match="v must match q in seq_len"):
         la1_forward(y, y, torch.zeros(1, 1, 5, 16, device=DEVICE))

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validation import validate_attention_args, validate_block_size
+from ..validation import validate_attention_args, validate_block_size, validate_kernel_dtype
 
 __all__ = [
     "la1_forward_kernel", "la1_backward_dq_kernel", "la1_backward_dkdv_kernel",
@@ -217,15 +217,11 @@ def _head_block(d: int) -> int:
 
 def _prepare(q, k, v, decay, block_size, do=None):
     """Validate, make the last axis contiguous, turn lambda into a float32 (heads,) tensor on q's device."""
+    # Shapes, devices, dtypes alike, decay in (0, 1], block a power of two >= 16 and d <= 256: all in validation.py.
     args = validate_attention_args(q, k, v, decay, backend="triton", block_size=block_size, do=do)
-    if q.dtype not in LA1_DTYPES:
-        raise TypeError(f"q must be float32, float16 or bfloat16 for the Triton kernels, got {q.dtype}")
+    validate_kernel_dtype("q", q)
     # fp32 tiles are twice as wide in bytes: 32 rows keep the pipelined K/V tiles inside shared memory at d = 128.
     block = args.block_size or ((32 if q.dtype == torch.float32 else 64) if q.is_cuda else 16)
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block_size must be a power of two >= 16 for the Triton kernels, got {block}")
-    if max(args.d_k, args.d_v) > 256:
-        raise ValueError(f"head dims up to 256 are supported, got d_k = {args.d_k}, d_v = {args.d_v}")
     decay_t = torch.as_tensor(args.decay, dtype=torch.float32, device=q.device)
     tensors = [x.contiguous() for x in (q, k, v) + ((do,) if do is not None else ())]
     meta = dict(
