@@ -139,7 +139,7 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
     # a fixed layout: constrained layout measures every tick label and triples the redraw time
     fig = Figure(figsize=(15.0, 8.4))
     axes = fig.subplots(2, 3, gridspec_kw=dict(left=0.05, right=0.985, bottom=0.07, top=0.9, wspace=0.3, hspace=0.32))
-    fig.suptitle(f"Block size B = {block_size}, decay $\\lambda$ = {lam:g}, $d_k = d_v$ = {d}, n = {n}")
+    fig.suptitle(f"Block size B = {block_size}, decay λ = {lam:g}, d_k = d_v = {d}, n = {n}")  # plain text: mathtext parsing slows redraws
 
     # 1. the mask M, as exponents: log10 M[r, s] = (r - s) log10 lambda below the diagonal
     ax = axes[0, 0]
@@ -153,9 +153,9 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
 
     # 2. the diagonal factors, and the literal Lambda^-1 against float64's range
     ax = axes[0, 1]
-    ax.plot(r, (r + 1) * log_lam, color=color("inter"), label=r"$\Lambda$: $\lambda^{r+1}$ on $q_r$")
-    ax.plot(r, (block_size - 1 - r) * log_lam, color=color("state"), label=r"$\lambda^{B-1-r}$ on $k_r$ (formed directly)")
-    ax.plot(r, -(r + 1) * log_lam, color=color("paper_literal"), ls="--", label=r"literal $\Lambda^{-1}$: $\lambda^{-(r+1)}$")
+    ax.plot(r, (r + 1) * log_lam, color=color("inter"), label="Λ: λ^(r+1) on q_r")
+    ax.plot(r, (block_size - 1 - r) * log_lam, color=color("state"), label="λ^(b-1-r) on k_r (formed directly)")
+    ax.plot(r, -(r + 1) * log_lam, color=color("paper_literal"), ls="--", label="literal Λ^-1: λ^-(r+1)")
     span = max(abs(block_size * log_lam), 1.0) * 1.15
     if span > 200:  # show float64's range once the factors come near it
         span = max(span, 360.0)
