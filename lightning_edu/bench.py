@@ -72,7 +72,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 # the timed region.
 
 
-def _ours(variant: str, **cfg):
+def _ours(variant: str, **cfg):  # variants of la2_fast are named la2_fast_<how>
     import torch
 
     from .triton_kernels import VARIANTS, kernel_config, log2_decay_tensor
@@ -85,6 +85,8 @@ def _ours(variant: str, **cfg):
         c.update(cfg)
         if variant == "la2_fast_noseg":
             c["seg_len"] = -(-q.shape[2] // c["block"]) * c["block"]
+        if variant == "la2_fast_fused_bwd":
+            c.update(fused_dkdv=True, dkdv_block=64, dkdv_warps=8)
 
         def fwd():
             return forward(q, k, v, l2, None, **c)[0]
@@ -176,6 +178,7 @@ def _original(q, k, v, decay, do):
 METHODS = {
     "triton": _ours("la2_fast"),
     "la2_fast_noseg": _ours("la2_fast_noseg"),
+    "la2_fast_fused_bwd": _ours("la2_fast_fused_bwd"),
     "la2_literal": _ours("la2_literal"),
     "la1": _la1,
     "torch": _torch_backend,
@@ -185,7 +188,7 @@ METHODS = {
     "fla_fused_chunk": _fla("fused_chunk_simple_gla"),
     "original": _original,
 }
-LINEAR = {"triton", "la2_fast_noseg", "la2_literal", "la1", "torch", "fla_chunk", "fla_fused_chunk", "original"}
+LINEAR = {"triton", "la2_fast_noseg", "la2_fast_fused_bwd", "la2_literal", "la1", "torch", "fla_chunk", "fla_fused_chunk", "original"}
 
 
 def _inputs(batch, heads, T, d, dtype, seed=0):
@@ -312,6 +315,10 @@ def run_table(args) -> dict:
             row["fwdbwd_floor_frac"] = (fwd_floor + bwd_floor) / row["fwdbwd_ms"]
             row["fwdbwd_tokens_per_s"] = tokens / (row["fwdbwd_ms"] * 1e-3)
         results.append(row)
+        data["results"] = results
+        if args.out:  # written after every row: a run cut short still leaves what it measured
+            with open(args.out, "w") as f:
+                json.dump(data, f, indent=1)
         del q, k, v, do
         torch.cuda.empty_cache()
     _progress(len(jobs), len(jobs), "done")

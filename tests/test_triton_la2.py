@@ -31,17 +31,18 @@ def _inputs(batch, heads, n, d_k, d_v, seed=0):
     return q, k, v, do, s0, dsn
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + ["la2_fast_fused_bwd"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"n{s[2]}-dk{s[3]}-dv{s[4]}")
 def test_variant_matches_float64_blockwise(variant, shape):
     batch, heads, n, d_k, d_v, decay, seg_len = shape
     q, k, v, do, s0, dsn = _inputs(batch, heads, n, d_k, d_v)
     lam = np.array(decay)
-    forward, backward = VARIANTS[variant]
-    extra = {"seg_len": seg_len} if variant == "la2_fast" else {}
+    forward, backward = VARIANTS[variant.replace("_fused_bwd", "")]
+    fwd_extra = {"seg_len": seg_len} if variant.startswith("la2_fast") else {}
+    bwd_extra = dict(fwd_extra, fused_dkdv=True) if variant == "la2_fast_fused_bwd" else fwd_extra
     l2 = log2_decay_tensor(lam, "cpu")
-    o, sn = forward(q, k, v, l2, s0, block=16, **extra)
-    grads = backward(q, k, v, do, l2, s0, dsn, block=16, **extra)
+    o, sn = forward(q, k, v, l2, s0, block=16, **fwd_extra)
+    grads = backward(q, k, v, do, l2, s0, dsn, block=16, **bwd_extra)
     ro, rs = blockwise_forward(q.numpy(), k.numpy(), v.numpy(), lam, 16, s0.numpy())
     ref = blockwise_backward(q.numpy(), k.numpy(), v.numpy(), do.numpy(), lam, 16, s0.numpy(), dsn.numpy())
     assert relative_error(o, ro) < TOL

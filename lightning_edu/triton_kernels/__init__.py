@@ -30,7 +30,7 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     """Tile sizes of the backend's kernels, chosen by the H100 sweep of chapter 07 (bench --tune)."""
     big = max(d_k, d_v) > 128
     block = block_size or (32 if big else 64)
-    return dict(block=block, block_dv=32 if big else 64, num_warps=4, num_stages=2)
+    return dict(block=block, block_dv=64 if big else None, num_warps=4, num_stages=2)
 
 
 # The Lightning Attention-2 variants share one signature: forward(q, k, v, log2_decay, initial_state, ...)

@@ -12,8 +12,10 @@ Three ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
 3. **The backward is the forward in disguise.** With time reversed, dK and dV are causal decayed linear
    attention again: dv_t = k_t sum_{s>=t} lambda^(s-t) q_s^T do_s (query k, key q, value dO) and
    dk_t = v_t sum_{s>=t} lambda^(s-t) do_s^T q_s (query v, key dO, value q) share one state dKV; and
-   dq_t = do_t sum_{s<=t} lambda^(t-s) v_s^T k_s is the forward with (dO, V, K). So the backward reuses the
-   forward kernel for dQ and one fused reverse kernel for dK and dV.
+   dq_t = do_t sum_{s<=t} lambda^(t-s) v_s^T k_s is the forward with (dO, V, K). So the backward is three
+   runs of the forward kernel. A fused reverse kernel for dK and dV (one shared state, fewer bytes) is kept
+   as ``fused_dkdv=True``: on an H200 it was slower (0.93 ms against about 0.52 ms for the two forward
+   runs at T = 2K, D = 128, bf16): seven dots per block on a 128 x 128 fp32 state leave too few registers.
 """
 
 from __future__ import annotations
@@ -227,6 +229,10 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
     pad_k = _pad(d_k)
+    if block_dv is None:
+        # Enough (batch, head) programs to fill the chip: split d_v for more of them. Too few: keep d_v
+        # whole (Q, K read once) and let segments supply the parallelism. (Tile sweep, chapter 07.)
+        block_dv = 64 if batch * heads >= _sm_count(q.device) else 128
     block_dv = min(_pad(d_v), block_dv)
     slices = triton.cdiv(d_v, block_dv)
     num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len)
@@ -246,7 +252,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     return o, sn
 
 
-def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int = 64, block_dv: int = 64,
+def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int = 64, block_dv: int | None = None,
                      num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None):
     """Segmented forward. Returns (o, final_state fp32)."""
     s0 = initial_state.float().contiguous() if initial_state is not None else None
@@ -254,12 +260,15 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int = 64, b
 
 
 def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None, block: int = 64,
-                      block_dv: int = 64, num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None,
-                      dkdv_block: int | None = None, dkdv_warps: int = 8, dkdv_stages: int | None = None):
+                      block_dv: int | None = None, num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None,
+                      fused_dkdv: bool = False, dkdv_block: int | None = None, dkdv_warps: int = 8,
+                      dkdv_stages: int | None = None):
     """Segmented backward. Returns (dq, dk, dv, d_initial_state fp32).
 
-    dQ runs the forward kernel with (block, block_dv, num_warps, num_stages); the fused dK/dV kernel holds
-    the whole d_k x d_v state and has its own tiles (dkdv_block, dkdv_warps, dkdv_stages; default: the same).
+    By default the backward is three runs of the forward kernel: dQ = forward(dO, V, K) from S0^T, and in
+    reversed time dV = forward(K, Q, dO) and dK = forward(V, dO, Q). ``fused_dkdv=True`` runs dK and dV
+    in one kernel over the shared state instead (fewer bytes, but 7 dots per block on a d_k x d_v fp32
+    state; slower on an H200, see chapter 08); it has its own tiles (dkdv_block, dkdv_warps, dkdv_stages).
     """
     import torch
 
@@ -267,7 +276,34 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     d_v = v.shape[-1]
     # dQ: the forward with (query, key, value) = (dO, V, K); its state is KV^T, starting from S0^T.
     s0t = initial_state.float().transpose(-1, -2).contiguous() if initial_state is not None else None
-    dq, _ = _forward_form(do, v, k, log2_decay, s0t, False, block, block_dv, num_warps, num_stages, seg_len)
+    cfg = (block, block_dv, num_warps, num_stages, seg_len)
+    dq, _ = _forward_form(do, v, k, log2_decay, s0t, False, *cfg)
+    if fused_dkdv:
+        dk, dv, x_end = _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages, seg_len,
+                                    dkdv_block, dkdv_warps, dkdv_stages)
+    else:
+        dv, x_end = _forward_form(k, q, do, log2_decay, None, True, *cfg)  # state sum q^T do = dKV
+        dk, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg)  # state sum do^T q = dKV^T
+    # x_end = sum_t lambda^t q_t^T do_t (0-based t); dL/dS0 = sum_t lambda^(t+1) q_t^T do_t (+ lambda^n dSN).
+    lam = torch.exp2(log2_decay.double()).view(1, heads, 1, 1)
+    ds0 = (x_end.double() * lam).float()
+    if d_final_state is not None:
+        # The final state's gradient reaches token t through lambda^(n-1-t) (a rank-d update, cheap in torch).
+        t = torch.arange(n, device=q.device, dtype=torch.float64)
+        w = torch.exp2(log2_decay.double().view(heads, 1) * (n - 1 - t)).view(1, heads, n, 1)
+        dsn = d_final_state.double()
+        dk = (dk.double() + w * (v.double() @ dsn.transpose(-1, -2))).to(k.dtype)
+        dv = (dv.double() + w * (k.double() @ dsn)).to(v.dtype)
+        ds0 = (ds0.double() + lam**n * dsn).float()
+    return dq, dk, dv, ds0
+
+
+def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages, seg_len, dkdv_block, dkdv_warps,
+                dkdv_stages):
+    import torch
+
+    batch, heads, n, d_k = q.shape
+    d_v = v.shape[-1]
     # dK, dV: one reverse sweep over the shared state dKV.
     block = dkdv_block or block
     dkdv_stages = dkdv_stages or num_stages
@@ -279,7 +315,7 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
     pad_k, pad_v = _pad(d_k), _pad(d_v)
     if num_seg > 1:
-        block_dv_seg = min(pad_v, block_dv)
+        block_dv_seg = min(pad_v, block_dv or 64)
         _segment_state_kernel[(batch * heads, num_seg - 1, triton.cdiv(d_v, block_dv_seg))](
             q, do, seg, log2_decay, n, heads, seg_len_, D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv_seg,
             BLOCK=block, REVERSE=True, PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages,
@@ -288,15 +324,4 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
         q, k, v, do, dk, dv, x_end, seg, log2_decay, n, heads, seg_len_, D_K=d_k, D_V=d_v, PAD_K=pad_k,
         PAD_V=pad_v, BLOCK=block, STORE_XN=True, PRECISION=_precision(q), num_warps=dkdv_warps, num_stages=dkdv_stages,
     )
-    # x_end = sum_t lambda^t q_t^T do_t (0-based t); dL/dS0 = sum_t lambda^(t+1) q_t^T do_t (+ lambda^n dSN).
-    lam = torch.exp2(log2_decay.double()).view(1, heads, 1, 1)
-    ds0 = (x_end.double() * lam).float()
-    if d_final_state is not None:
-        # The final state's gradient reaches token t through lambda^(n-1-t) (a rank-d update, cheap in torch).
-        t = torch.arange(n, device=q.device, dtype=torch.float64)
-        w = torch.exp2(log2_decay.double().view(heads, 1) * (n - 1 - t)).view(1, heads, n, 1)
-        dsn = d_final_state.double()
-        dk = (dk.double() + w * (v.double() @ dsn.transpose(-1, -2))).to(k.dtype)
-        dv = (dv.double() + w * (k.double() @ dsn)).to(v.dtype)
-        ds0 = (ds0.double() + lam ** n * dsn).float()
-    return dq, dk, dv, ds0
+    return dk, dv, x_end
