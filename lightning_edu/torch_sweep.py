@@ -160,7 +160,7 @@ def headline_benchmark(n=16384, *, batch=1, heads=2, d=64, dtype=torch.float32, 
         o_rec = run_form("recurrent", q, k, v, decay, block_size)
     rel = float((o_fast.double() - o_rec.double()).norm() / o_rec.double().norm())
     result = {
-        "n": int(n), "block_size": block_size, "threads": torch.get_num_threads() if device == "cpu" else None,
+        "n": int(n), "block_size": block_size, "batch": batch, "heads": heads, "threads": torch.get_num_threads() if device == "cpu" else None,
         "time_s": times, "min_s": mins,
         "speedup_vs_recurrent": times["recurrent"] / times["chunked"],
         "speedup_vs_loop": times["loop"] / times["chunked"],
@@ -235,6 +235,7 @@ def _main(argv=None) -> dict:
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of repeats per timed point")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--bench-threads", default="", help="also run the benchmark at these thread counts, e.g. 1,2")
+    parser.add_argument("--bench-heads", default="", help="also run the benchmark with these numbers of heads, e.g. 1,4")
     ns = parser.parse_args(argv)
     if ns.threads:
         torch.set_num_threads(ns.threads)
@@ -273,6 +274,11 @@ def _main(argv=None) -> dict:
             record["results"]["benchmark_threads"][str(threads)] = headline_benchmark(ns.bench_n, **kw)
             save()
         torch.set_num_threads(default_threads)
+    if ns.bench_heads:  # the per-token scan is bound by its n steps, the chunk-parallel form by arithmetic (~ heads)
+        record["results"]["benchmark_heads"] = {}
+        for h in (int(x) for x in ns.bench_heads.split(",")):
+            record["results"]["benchmark_heads"][str(h)] = headline_benchmark(ns.bench_n, **{**kw, "heads": h})
+            save()
     record["results"]["sweep"] = sweep_forms(sizes, max_quadratic_n=ns.max_quadratic_n, max_recurrent_n=ns.max_recurrent_n,
                                        budget_s=ns.budget, **kw)
     save()
