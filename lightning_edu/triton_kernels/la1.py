@@ -340,19 +340,19 @@ def la1_cost(n: int, d_k: int, d_v: int | None = None, block_size: int = 64, *, 
 def figure3_benchmark(seq_lens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), heads: int = 16,
                       head_dim: int = 128, batch: int = 1, dtype=torch.bfloat16, progress=print) -> dict:
     """The paper's Figure 3 on this GPU: runtime and peak extra memory of the forward and the backward pass
-    against the sequence length T for LA-1 (this module), LA-2 literal (``la2_literal``) and softmax
-    (``scaled_dot_product_attention``, causal). (Chapter 08.)
+    against the sequence length T for LA-1 (this module), LA-2 literal (``la2_literal``), LA-2 fast
+    (``la2_fast``, the backend's kernels) and softmax (``scaled_dot_product_attention``, causal). (Chapter 08.)
 
     Batch and heads are fixed, so LA-2 grows linearly in T and the other two quadratically. Times are
     ``triton.testing.do_bench`` medians in ms: "fwd" is the forward alone, "bwd" the backward alone (for
-    the kernels: the backward launches; for softmax: autograd's backward, timed by subtracting nothing --
-    it is run on a retained graph). Memory is torch.cuda's peak allocation above the inputs, in MiB,
+    our kernels: the backward launches; for softmax: autograd's backward, replayed on a retained graph). Memory is torch.cuda's peak allocation above the inputs, in MiB,
     for the forward alone and for forward + backward. Returns {"copy_bandwidth_GBps", "results": [...]}.
     """
     import math
 
     from triton.testing import do_bench
 
+    from . import VARIANTS, kernel_config
     from .la2_literal import la2_literal_backward, la2_literal_forward
 
     if not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1":
@@ -378,9 +378,13 @@ def figure3_benchmark(seq_lens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131
     def sdpa_fwd(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    fast_fwd, fast_bwd = VARIANTS["la2_fast"]
+    cfg = kernel_config(head_dim, head_dim, dtype)
     methods = {
         "la1": (lambda q, k, v: la1_forward(q, k, v, decay), lambda q, k, v, do: la1_backward(q, k, v, do, decay)),
         "la2_literal": (la2_fwd, la2_bwd),
+        "la2_fast": (lambda q, k, v: fast_fwd(q, k, v, log2_decay, None, **cfg)[0],
+                     lambda q, k, v, do: fast_bwd(q, k, v, do, log2_decay, None, None, **cfg)),
         "softmax": (sdpa_fwd, None),
     }
     results = []
