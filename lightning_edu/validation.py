@@ -197,8 +197,8 @@ def validate_attention_args(
     backend = _resolve_backend(backend, kind, q)
     if backend == "triton" and block is not None and (block < 16 or block & (block - 1)):
         raise ValueError(f"block_size for backend='triton' must be a power of two >= 16 (a tl.dot tile), got {block}")
-    if backend == "triton" and max(d_k, d_v) > 256:
-        raise ValueError(f"backend='triton' supports d_k, d_v <= 256 (the state lives on chip), got d_k={d_k}, d_v={d_v}")
+    if backend == "triton":
+        validate_head_dims(d_k, d_v, 256, "backend='triton'")
     for name, x, shape in (
         ("initial_state", initial_state, (batch, heads, d_k, d_v)),
         ("do", do, (batch, heads, seq_len, d_v)),
@@ -247,3 +247,9 @@ def validate_kernel_dtype(name: str, x: Any) -> None:
     dtype = str(getattr(x, "dtype", type(x).__name__)).replace("torch.", "")
     if dtype not in KERNEL_DTYPES:
         raise TypeError(f"{name} must be float32, float16 or bfloat16 for the Triton kernels, got {dtype}")
+
+
+def validate_head_dims(d_k: int, d_v: int, max_dim: int, who: str) -> None:
+    """A kernel that keeps a whole d_k x d_v state on chip refuses head dims it cannot hold."""
+    if max(d_k, d_v) > max_dim:
+        raise ValueError(f"{who} supports d_k, d_v <= {max_dim} (its state lives on chip), got d_k={d_k}, d_v={d_v}")

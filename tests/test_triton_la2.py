@@ -96,3 +96,14 @@ def test_triton_block_size_must_be_a_power_of_two_tile(bad):
     q, k, v, *_ = _inputs(1, 1, 8, 16, 16)
     with pytest.raises(ValueError, match="block_size for backend='triton' must be a power of two >= 16"):
         le.lightning_attention(q, k, v, backend="triton", block_size=bad)
+
+
+def test_literal_refuses_heads_it_cannot_hold_on_chip():
+    from lightning_edu.triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
+
+    q, k, v, do, _, _ = _inputs(1, 1, 4, 256, 16)
+    l2 = log2_decay_tensor([0.9], "cpu")
+    with pytest.raises(ValueError, match=r"la2_literal supports d_k, d_v <= 128 .* got d_k=256, d_v=16"):
+        la2_literal_forward(q, k, v, l2)
+    with pytest.raises(ValueError, match=r"la2_literal supports d_k, d_v <= 128"):
+        la2_literal_backward(q, k, v, do, l2)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..validation import validate_head_dims
+
 __all__ = [
     "la2_literal_forward_kernel", "la2_literal_dq_kernel", "la2_literal_dkdv_kernel",
     "la2_literal_forward", "la2_literal_backward",
@@ -190,6 +192,7 @@ def la2_literal_forward(q, k, v, log2_decay, initial_state=None, block: int = 64
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
+    validate_head_dims(d_k, d_v, 128, "la2_literal")
     block = min(block, _block_cap(d_k, d_v))
     o = torch.empty_like(v)
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
@@ -210,6 +213,9 @@ def la2_literal_backward(q, k, v, do, log2_decay, initial_state=None, d_final_st
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
+    # The reverse sweep keeps the whole d_k x d_v fp32 state on chip: 256 KiB at d = 256, more than an
+    # H200 SM's 227 KiB of shared memory (measured: "Required: 360448"). la2_fast splits the work instead.
+    validate_head_dims(d_k, d_v, 128, "la2_literal")
     block = min(block, _block_cap(d_k, d_v))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ds0 = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
