@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 
-from .validation import AttentionArgs, validate_attention_args
+from .validation import AttentionArgs, validate_attention_args, validate_flag
 
 __all__ = ["lightning_attention", "lightning_attention_backward"]
 
@@ -56,6 +56,7 @@ def lightning_attention(
     args = validate_attention_args(
         q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state
     )
+    return_state = validate_flag("return_state", return_state)
     out, state = _backend(args).forward_from_args(args)
     return (out, state) if return_state else out
 
@@ -82,5 +83,6 @@ def lightning_attention_backward(
         q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state, do=do,
         d_final_state=d_final_state,
     )
+    return_state_grad = validate_flag("return_state_grad", return_state_grad)
     dq, dk, dv, d_state = _backend(args).backward_from_args(args, d_final_state)
     return (dq, dk, dv, d_state) if return_state_grad else (dq, dk, dv)

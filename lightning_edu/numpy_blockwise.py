@@ -41,9 +41,10 @@ def _blocks(n: int, block_size: int):
         yield slice(start, min(start + block_size, n))
 
 
-def _prepare(q, k, v, decay, block_size, initial_state, do=None, d_final_state=None):
+def _prepare(q, k, v, decay, block_size, initial_state, do=None, d_final_state=None, who=None):
     args = validate_attention_args(
-        q, k, v, decay, backend="numpy", block_size=block_size, initial_state=initial_state, do=do, d_final_state=d_final_state
+        q, k, v, decay, backend="numpy", block_size=block_size, initial_state=initial_state, do=do,
+        d_final_state=d_final_state, who=who,
     )
     block = args.block_size or DEFAULT_BLOCK_SIZE
     arrays = [np.asarray(x, dtype=np.float64) for x in (args.q, args.k, args.v)]
@@ -60,7 +61,7 @@ def blockwise_forward(q, k, v, decay=1.0, block_size: int | None = None, initial
                           KV  = lambda^b KV  +  (diag(lambda^(b-1-r)) K_i)^T V_i          (state update)
     Returns (o, KV_final); o has shape (batch, heads, n, d_v), KV (batch, heads, d_k, d_v).
     """
-    args, block, (q, k, v), kv = _prepare(q, k, v, decay, block_size, initial_state)
+    args, block, (q, k, v), kv = _prepare(q, k, v, decay, block_size, initial_state, who="blockwise_forward")
     out = np.empty((args.batch, args.heads, args.seq_len, args.d_v))
     for rows in _blocks(args.seq_len, block):
         qi, ki, vi = q[:, :, rows], k[:, :, rows], v[:, :, rows]
@@ -80,7 +81,7 @@ def blockwise_backward(q, k, v, do, decay=1.0, block_size: int | None = None, in
     ``d_final_state`` is the gradient flowing into the returned final state (zeros if None): it seeds dKV.
     Returns (dq, dk, dv, d_initial_state).
     """
-    args, block, (q, k, v), kv = _prepare(q, k, v, decay, block_size, initial_state, do, d_final_state)
+    args, block, (q, k, v), kv = _prepare(q, k, v, decay, block_size, initial_state, do, d_final_state, "blockwise_backward")
     do = np.asarray(do, dtype=np.float64)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     blocks = list(_blocks(args.seq_len, block))

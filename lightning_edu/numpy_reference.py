@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .validation import validate_attention_args, validate_decay
+from .validation import check_finite_scalar, validate_attention_args, validate_decay, validate_flag, validate_positive_int
 
 __all__ = [
     "elu_plus_one",
@@ -27,8 +27,8 @@ def _f64(*xs):
     return tuple(np.asarray(x, dtype=np.float64) for x in xs)
 
 
-def _checked(q, k, v, decay=1.0, initial_state=None):
-    args = validate_attention_args(q, k, v, decay, backend="numpy", initial_state=initial_state)
+def _checked(q, k, v, decay=1.0, initial_state=None, who=None):
+    args = validate_attention_args(q, k, v, decay, backend="numpy", initial_state=initial_state, who=who)
     q, k, v = _f64(args.q, args.k, args.v)
     return args, q, k, v
 
@@ -45,8 +45,7 @@ def decay_mask(n: int, decay=1.0) -> np.ndarray:
     Returns shape (n, n) for a scalar decay and (heads, n, n) for one value per head. Powers are taken
     of non-negative exponents only, so nothing overflows for any lambda in (0, 1].
     """
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
+    n = validate_positive_int("n", n)
     scalar = np.ndim(decay) == 0
     lam = validate_decay(decay, None)
     i = np.arange(n)
@@ -57,8 +56,9 @@ def decay_mask(n: int, decay=1.0) -> np.ndarray:
 
 def softmax_attention(q, k, v, *, causal: bool = False, scale: float | None = None) -> np.ndarray:
     """softmax(q k^T * scale [+ causal mask]) v, the baseline every linear method is compared with. (Chapter 01.)"""
-    _, q, k, v = _checked(q, k, v)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    _, q, k, v = _checked(q, k, v, who="softmax_attention")
+    causal = validate_flag("causal", causal)
+    scale = q.shape[-1] ** -0.5 if scale is None else check_finite_scalar("scale", scale)
     scores = (q @ k.swapaxes(-1, -2)) * scale
     if causal:
         n = q.shape[-2]
@@ -70,19 +70,19 @@ def softmax_attention(q, k, v, *, causal: bool = False, scale: float | None = No
 
 def linear_attention_left(q, k, v) -> np.ndarray:
     """Non-causal linear attention by the left product (Q K^T) V: an n x n matrix, O(n^2 d) work. (Chapter 01.)"""
-    _, q, k, v = _checked(q, k, v)
+    _, q, k, v = _checked(q, k, v, who="linear_attention_left")
     return (q @ k.swapaxes(-1, -2)) @ v
 
 
 def linear_attention_right(q, k, v) -> np.ndarray:
     """Non-causal linear attention by the right product Q (K^T V): a d_k x d_v matrix, O(n d^2) work. (Chapter 01.)"""
-    _, q, k, v = _checked(q, k, v)
+    _, q, k, v = _checked(q, k, v, who="linear_attention_right")
     return q @ (k.swapaxes(-1, -2) @ v)
 
 
 def causal_linear_masked(q, k, v, decay=1.0) -> np.ndarray:
     """Causal linear attention by the masked left product [(Q K^T) * M] V: O(n^2 d). (Chapters 02-03.)"""
-    args, q, k, v = _checked(q, k, v, decay)
+    args, q, k, v = _checked(q, k, v, decay, who="causal_linear_masked")
     mask = decay_mask(args.seq_len, args.decay)  # (heads, n, n)
     return ((q @ k.swapaxes(-1, -2)) * mask) @ v
 
@@ -94,7 +94,7 @@ def causal_linear_recurrent(q, k, v, decay=1.0, *, initial_state=None, return_st
     ``initial_state`` (batch, heads, d_k, d_v) is KV_0; with ``return_state`` the final KV_n is returned too.
     This Python loop over t is the ground truth every other implementation is tested against.
     """
-    args, q, k, v = _checked(q, k, v, decay, initial_state)
+    args, q, k, v = _checked(q, k, v, decay, initial_state, who="causal_linear_recurrent")
     lam = args.decay[None, :, None, None]
     state = np.zeros((args.batch, args.heads, args.d_k, args.d_v))
     if initial_state is not None:
@@ -114,7 +114,7 @@ def causal_linear_cumsum(q, k, v, decay=1.0) -> np.ndarray:
     S_t += lambda^step S_{t-step} for step = 1, 2, 4, ...: log2(n) vectorised steps instead of n.
     The price is O(n d_k d_v) memory: at n = 64K and d = 128 that is 8 GiB per head in float64.
     """
-    args, q, k, v = _checked(q, k, v, decay)
+    args, q, k, v = _checked(q, k, v, decay, who="causal_linear_cumsum")
     states = k[..., :, None] * v[..., None, :]  # (batch, heads, n, d_k, d_v)
     if np.all(args.decay == 1.0):
         states = np.cumsum(states, axis=2)

@@ -133,14 +133,17 @@ def _check_tensor(name: str, x: Any, kind: str | None) -> str:
     return k
 
 
-def _resolve_backend(backend: Any, kind: str, q: Any) -> str:
+def _resolve_backend(backend: Any, kind: str, q: Any, who: str | None = None) -> str:
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         if kind == "numpy":
             return "numpy"
-        return "triton" if q.is_cuda else "torch"
+        # Triton's tl.dot has no float64: float64 CUDA tensors go to the torch backend.
+        return "triton" if q.is_cuda and str(q.dtype).replace("torch.", "") in KERNEL_DTYPES else "torch"
     if backend == "numpy" and kind != "numpy":
+        if who is not None:
+            raise TypeError(f"{who} is a float64 numpy reference and takes numpy arrays, got q as {_describe(q)}; convert with .numpy()")
         raise TypeError(f"backend='numpy' takes numpy arrays, got q as {_describe(q)}; use backend='torch' or convert with .numpy()")
     if backend in ("torch", "triton") and kind != "torch":
         raise TypeError(f"backend={backend!r} takes torch tensors, got q as {_describe(q)}; use backend='numpy' or torch.from_numpy")
@@ -162,11 +165,13 @@ def validate_attention_args(
     initial_state: Any = None,
     do: Any = None,
     d_final_state: Any = None,
+    who: str | None = None,
 ) -> AttentionArgs:
     """Check every argument of an attention call; return them normalised.
 
     Shapes: q, k (batch, heads, seq_len, d_k); v and do (batch, heads, seq_len, d_v);
     initial_state and d_final_state (batch, heads, d_k, d_v). d_k may differ from d_v.
+    ``who`` names a numpy-only function (no ``backend`` argument) in the error for torch inputs.
     """
     kind = _check_tensor("q", q, None)
     _check_tensor("k", k, kind)
@@ -194,11 +199,12 @@ def validate_attention_args(
                 raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
     lam = validate_decay(decay, heads)
     block = validate_block_size(block_size)
-    backend = _resolve_backend(backend, kind, q)
+    backend = _resolve_backend(backend, kind, q, who)
     if backend == "triton" and block is not None and (block < 16 or block & (block - 1)):
         raise ValueError(f"block_size for backend='triton' must be a power of two >= 16 (a tl.dot tile), got {block}")
     if backend == "triton":
         validate_head_dims(d_k, d_v, 256, "backend='triton'")
+        validate_kernel_dtype("q (backend='triton')", q)
     for name, x, shape in (
         ("initial_state", initial_state, (batch, heads, d_k, d_v)),
         ("do", do, (batch, heads, seq_len, d_v)),
@@ -214,6 +220,13 @@ def validate_attention_args(
     if kind == "torch" and do is not None and do.dtype != q.dtype:
         raise TypeError(f"do must have the same dtype as q ({q.dtype}), got {do.dtype}")
     return AttentionArgs(q, k, v, lam, backend, block, initial_state, do, kind, batch, heads, seq_len, d_k, d_v)
+
+
+def validate_flag(name: str, value: Any) -> bool:
+    """A real bool: ``return_state=1`` or ``causal="no"`` is refused rather than read as truthy."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
 
 
 def check_finite_scalar(name: str, value: Any) -> float:

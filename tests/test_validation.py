@@ -167,7 +167,7 @@ def test_mixed_torch_q_and_numpy_k(name):
 @pytest.mark.parametrize("name", sorted(set(ALL) - set(WITH_BACKEND)))
 def test_numpy_functions_refuse_torch_tensors(name):
     q, k, v = (torch.from_numpy(x) for x in qkv())
-    pattern = r"^backend='numpy' takes numpy arrays, got q as torch.Tensor of shape \(2, 3, 5, 4\), dtype torch.float64"
+    pattern = rf"^{name} is a float64 numpy reference and takes numpy arrays, got q as torch.Tensor of shape \(2, 3, 5, 4\), dtype torch.float64"
     with pytest.raises(TypeError, match=pattern):
         call(name, q, k, v)
 
@@ -420,10 +420,40 @@ def test_validate_attention_args_normalises():
 # ---------------------------------------------------------------- decay_mask
 
 
-@pytest.mark.parametrize("n", [0, -3, 2.0, True, "4", None])
-def test_decay_mask_rejects_bad_n(n):
-    with pytest.raises(ValueError, match=rf"^n must be a positive integer, got {re.escape(repr(n))}$"):
+@pytest.mark.parametrize("n", [0, -3])
+def test_decay_mask_rejects_non_positive_n(n):
+    with pytest.raises(ValueError, match=rf"^n must be a positive integer \(>= 1\), got {n}$"):
         nr.decay_mask(n, 0.5)
+
+
+@pytest.mark.parametrize("n", [2.0, True, "4", None])
+def test_decay_mask_rejects_n_of_the_wrong_type(n):
+    with pytest.raises(TypeError, match=rf"^n must be a positive integer, got {type(n).__name__} {re.escape(repr(n))}$"):
+        nr.decay_mask(n, 0.5)
+
+
+@pytest.mark.parametrize("causal", [1, "yes", None])
+def test_softmax_causal_must_be_a_bool(causal):
+    with pytest.raises(TypeError, match=rf"^causal must be True or False, got {type(causal).__name__}"):
+        nr.softmax_attention(*qkv(), causal=causal)
+
+
+@pytest.mark.parametrize("scale", ["x", float("nan"), float("inf"), True])
+def test_softmax_scale_must_be_a_finite_number(scale):
+    with pytest.raises(TypeError, match=r"^scale must be a finite real number, got"):
+        nr.softmax_attention(*qkv(), scale=scale)
+
+
+@pytest.mark.parametrize("flag", [1, "yes", None])
+def test_return_state_must_be_a_bool(flag):
+    with pytest.raises(TypeError, match=rf"^return_state must be True or False, got {type(flag).__name__}"):
+        lightning_attention(*qkv(), return_state=flag)
+
+
+def test_triton_backend_refuses_float64():
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    with pytest.raises(TypeError, match=r"^q \(backend='triton'\) must be float32, float16 or bfloat16 .* got float64$"):
+        lightning_attention(q, k, v, backend="triton")
 
 
 def test_decay_mask_rejects_bad_decay():
