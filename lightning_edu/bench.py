@@ -85,15 +85,14 @@ def _ours(variant: str, **cfg):  # variants of la2_fast are named la2_fast_<how>
         c.update(cfg)
         if variant == "la2_fast_noseg":
             c["seg_len"] = -(-q.shape[2] // c["block"]) * c["block"]
-        if variant == "la2_fast_fused_bwd":
-            c.update(fused_dkdv=True, dkdv_block=64, dkdv_warps=8)
+        bwd_extra = dict(fused_dkdv=True, dkdv_block=64, dkdv_warps=8) if variant == "la2_fast_fused_bwd" else {}
 
         def fwd():
             return forward(q, k, v, l2, None, **c)[0]
 
         def fwdbwd():
             forward(q, k, v, l2, None, **c)
-            return backward(q, k, v, do, l2, None, None, **c)
+            return backward(q, k, v, do, l2, None, None, **c, **bwd_extra)
 
         return fwd, fwdbwd
 

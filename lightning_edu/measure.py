@@ -6,6 +6,7 @@ claims with wide margins (a 64x gap, not a 10 % one). GPU timings live in :mod:`
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import statistics
 import time
@@ -13,7 +14,7 @@ import tracemalloc
 import weakref
 from typing import Callable
 
-__all__ = ["median_time", "peak_memory_numpy", "peak_memory_torch"]
+__all__ = ["median_time", "peak_memory_numpy", "peak_memory_torch", "pin_blas_threads"]
 
 
 def median_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 1, min_time: float = 0.0) -> float:
@@ -100,3 +101,27 @@ def peak_memory_torch(fn: Callable[[], object]) -> int:
     gc.collect()
     return live["peak"]
 
+
+
+def pin_blas_threads(threads: int = 1) -> list[str]:
+    """Set the thread count of every OpenBLAS loaded in this process; returns the libraries changed.
+
+    On a small shared machine a multi-threaded BLAS stalls whenever another process is busy (a 2-core
+    CI box measured the right product of chapter 01 at 80 ms one run and 2 ms the next), so chapters
+    01-02 time with one thread. OpenBLAS reads its thread count when it loads; afterwards only its own
+    setter changes it, found here by name in the libraries mapped into the process.
+    """
+    done = []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "openblas" in line.lower()})
+    except OSError:  # not Linux: leave the BLAS as it is
+        paths = []
+    for path in paths:
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            if hasattr(lib, name):
+                getattr(lib, name)(int(threads))
+                done.append(path.rsplit("/", 1)[-1])
+                break
+    return done

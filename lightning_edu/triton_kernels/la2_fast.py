@@ -14,8 +14,9 @@ Three ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
    dk_t = v_t sum_{s>=t} lambda^(s-t) do_s^T q_s (query v, key dO, value q) share one state dKV; and
    dq_t = do_t sum_{s<=t} lambda^(t-s) v_s^T k_s is the forward with (dO, V, K). So the backward is three
    runs of the forward kernel. A fused reverse kernel for dK and dV (one shared state, fewer bytes) is kept
-   as ``fused_dkdv=True``: on an H200 it was slower (0.93 ms against about 0.52 ms for the two forward
-   runs at T = 2K, D = 128, bf16): seven dots per block on a 128 x 128 fp32 state leave too few registers.
+   as ``fused_dkdv=True``: on an H200 it was slower. At T = 2K, D = 128, bf16 the fused kernel alone took
+   0.93 ms at its best tiles, while the whole three-forward backward (dQ, dK and dV) took 0.85 ms: seven
+   dots per block on a 128 x 128 fp32 state leave too few registers for the 64-row tiles.
 """
 
 from __future__ import annotations
