@@ -244,8 +244,8 @@ def la1_forward(q, k, v, decay=1.0, block_size: int | None = None):
 
     q, k: (batch, heads, n, d_k); v: (batch, heads, n, d_v), torch tensors of one dtype among float32,
     float16, bfloat16, on CUDA (or on the CPU under TRITON_INTERPRET=1); decay: lambda in (0, 1], one float
-    or one value per head. ``block_size`` (a power of two >= 16; 64 on CUDA, 16 in the interpreter) is
-    both the query and the key tile. Returns o (batch, heads, n, d_v) in q's dtype.
+    or one value per head. ``block_size`` (a power of two >= 16; on CUDA 64, or 32 for fp32; 16 in the
+    interpreter) is both the query and the key tile. Returns o (batch, heads, n, d_v) in q's dtype.
     """
     args, decay_t, (q, k, v), meta = _prepare(q, k, v, decay, block_size)
     o = torch.empty((args.batch, args.heads, args.seq_len, args.d_v), dtype=q.dtype, device=q.device)
