@@ -86,11 +86,16 @@ def _ours(variant: str, **cfg):  # variants of la2_fast are named la2_fast_<how>
         if variant == "la2_fast_noseg":
             c["seg_len"] = -(-q.shape[2] // c["block"]) * c["block"]
         bwd_extra = dict(fused_dkdv=True, dkdv_block=64, dkdv_warps=8) if variant == "la2_fast_fused_bwd" else {}
+        # The backend saves the forward's segment states for the backward's dQ pass; "_nosave" measures without.
+        save = variant.startswith("la2_fast") and variant != "la2_fast_nosave"
 
         def fwd():
             return forward(q, k, v, l2, None, **c)[0]
 
         def fwdbwd():
+            if save:
+                _, _, saved = forward(q, k, v, l2, None, save_states=True, **c)
+                return backward(q, k, v, do, l2, None, None, saved=saved, **c, **bwd_extra)
             forward(q, k, v, l2, None, **c)
             return backward(q, k, v, do, l2, None, None, **c, **bwd_extra)
 
@@ -178,6 +183,7 @@ METHODS = {
     "triton": _ours("la2_fast"),
     "la2_fast_noseg": _ours("la2_fast_noseg"),
     "la2_fast_fused_bwd": _ours("la2_fast_fused_bwd"),
+    "la2_fast_nosave": _ours("la2_fast_nosave"),
     "la2_literal": _ours("la2_literal"),
     "la1": _la1,
     "torch": _torch_backend,
@@ -187,7 +193,7 @@ METHODS = {
     "fla_fused_chunk": _fla("fused_chunk_simple_gla"),
     "original": _original,
 }
-LINEAR = {"triton", "la2_fast_noseg", "la2_fast_fused_bwd", "la2_literal", "la1", "torch", "fla_chunk", "fla_fused_chunk", "original"}
+LINEAR = {"triton", "la2_fast_noseg", "la2_fast_fused_bwd", "la2_fast_nosave", "la2_literal", "la1", "torch", "fla_chunk", "fla_fused_chunk", "original"}
 
 
 def _inputs(batch, heads, T, d, dtype, seed=0):

@@ -107,3 +107,19 @@ def test_literal_refuses_heads_it_cannot_hold_on_chip():
         la2_literal_forward(q, k, v, l2)
     with pytest.raises(ValueError, match=r"la2_literal supports d_k, d_v <= 128"):
         la2_literal_backward(q, k, v, do, l2)
+
+
+@pytest.mark.parametrize("seg_len", [None, 32, 48])
+def test_backward_reusing_the_forwards_segment_states(seg_len):
+    from lightning_edu.triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
+
+    q, k, v, do, s0, dsn = _inputs(2, 2, 100, 16, 32, seed=4)
+    lam = np.array([0.97, 0.2])
+    l2 = log2_decay_tensor(lam, "cpu")
+    o, sn, saved = la2_fast_forward(q, k, v, l2, s0, block=16, seg_len=seg_len, save_states=True)
+    assert saved[1].shape[:2] == (4, -(-100 // saved[0]))
+    grads = la2_fast_backward(q, k, v, do, l2, s0, dsn, block=16, seg_len=seg_len, saved=saved)
+    ref = blockwise_backward(q.numpy(), k.numpy(), v.numpy(), do.numpy(), lam, 16, s0.numpy(), dsn.numpy())
+    assert relative_error(o, blockwise_forward(q.numpy(), k.numpy(), v.numpy(), lam, 16, s0.numpy())[0]) < TOL
+    for name, got, want in zip(("dq", "dk", "dv", "d_state"), grads, ref):
+        assert relative_error(got, want) < TOL, name

@@ -55,18 +55,20 @@ class TritonLightningAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused final state must not cost a zero-gradient pass
         q, k, v = (x.contiguous() for x in (q, k, v))
         cfg = kernel_config(q.shape[-1], v.shape[-1], q.dtype, block_size)
-        o, sn = la2_fast_forward(q, k, v, log2_decay, initial_state, **cfg)
-        ctx.save_for_backward(q, k, v, log2_decay, initial_state)
+        o, sn, (seg_len, incoming) = la2_fast_forward(q, k, v, log2_decay, initial_state, save_states=True, **cfg)
+        ctx.save_for_backward(q, k, v, log2_decay, initial_state, incoming)
+        ctx.seg_len = seg_len
         ctx.has_state = initial_state is not None
         ctx.cfg = cfg
         return o, sn
 
     @staticmethod
     def backward(ctx, do, d_sn):
-        q, k, v, log2_decay, initial_state = ctx.saved_tensors
+        q, k, v, log2_decay, initial_state, incoming = ctx.saved_tensors
         do = torch.zeros_like(v) if do is None else do.contiguous()
         dq, dk, dv, ds0 = la2_fast_backward(
-            q, k, v, do, log2_decay, initial_state if ctx.has_state else None, d_sn, **ctx.cfg
+            q, k, v, do, log2_decay, initial_state if ctx.has_state else None, d_sn, saved=(ctx.seg_len, incoming),
+            **ctx.cfg,
         )
         d_state = ds0.to(initial_state.dtype) if ctx.has_state and ctx.needs_input_grad[4] else None
         return dq, dk, dv, None, d_state, None

@@ -72,8 +72,13 @@ def _segment_state_kernel(
 @triton.jit
 def _incoming_state(S0, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v, state_ok,
                     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    HAS_S0: tl.constexpr):
-    """State at the start of segment ``seg``: lambda^(seg L) S0 + sum_{i<seg} lambda^((seg-1-i) L) S_i (Horner)."""
+                    HAS_S0: tl.constexpr, SEG_IS_INCOMING: tl.constexpr = False):
+    """State at the start of segment ``seg``: lambda^(seg L) S0 + sum_{i<seg} lambda^((seg-1-i) L) S_i (Horner).
+
+    With SEG_IS_INCOMING, SEG already holds each segment's incoming state (saved by an earlier pass).
+    """
+    if SEG_IS_INCOMING:
+        return tl.load(SEG + (bh * num_seg + seg) * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], mask=state_ok, other=0.0)
     kv = tl.zeros((PAD_K, BLOCK_DV), dtype=tl.float32)
     if HAS_S0:
         kv = tl.load(S0 + bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], mask=state_ok, other=0.0).to(tl.float32)
@@ -86,12 +91,16 @@ def _incoming_state(S0, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v
 
 @triton.jit
 def _la2_fast_forward_kernel(
-    Q, K, V, O, S0, SN, SEG, LOG2_DECAY, n, H, seg_len,
+    Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Algorithm 1 over one segment. Grid (batch*heads, num_segments, cdiv(d_v, BLOCK_DV))."""
+    """Algorithm 1 over one segment. Grid (batch*heads, num_segments, cdiv(d_v, BLOCK_DV)).
+
+    STORE_INC saves each segment's incoming state to INC (batch*heads, num_segments, d_k, d_v) fp32, so
+    that the backward's dQ pass can start every segment without a pre-pass over K and V.
+    """
     bh = tl.program_id(0)
     seg = tl.program_id(1)
     pid_v = tl.program_id(2)
@@ -104,7 +113,9 @@ def _la2_fast_forward_kernel(
     v_ok = offs_v < D_V
     state_ok = k_ok[:, None] & v_ok[None, :]
     kv = _incoming_state(S0, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v, state_ok,
-                         D_K, D_V, PAD_K, BLOCK_DV, HAS_S0)
+                         D_K, D_V, PAD_K, BLOCK_DV, HAS_S0, SEG_IS_INCOMING)
+    if STORE_INC:
+        tl.store(INC + (bh * num_seg + seg) * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], kv, mask=state_ok)
     gap = offs_r[:, None] - offs_r[None, :]
     mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), 0.0)
     q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
@@ -223,8 +234,15 @@ def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: i
     return -(-n // seg_len), seg_len
 
 
-def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, num_warps, num_stages, seg_len):
-    """o_p = q_p sum_{p'<=p} lambda^(p-p') k_p'^T v_p' (+ lambda^(p+1) q_p S0) in processing order p."""
+def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, num_warps, num_stages, seg_len,
+                  local_states=None, incoming=None, store_incoming=False):
+    """o_p = q_p sum_{p'<=p} lambda^(p-p') k_p'^T v_p' (+ lambda^(p+1) q_p S0) in processing order p.
+
+    Returns (o, final_state, aux) with aux = {"seg_len", "local", "incoming"}: the segment length used,
+    the segments' local states (computed here, or ``local_states`` when given: a pass over the same keys
+    and values in the same order) and, with ``store_incoming``, every segment's incoming state. With
+    ``incoming`` given (an earlier pass's saved states, same seg_len), no pre-pass and no Horner loop run.
+    """
     import torch
 
     batch, heads, n, d_k = q.shape
@@ -239,37 +257,49 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len)
     o = torch.empty_like(v)
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
-    seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=_precision(q))
-    if num_seg > 1:
-        _segment_state_kernel[(batch * heads, num_seg - 1, slices)](
-            k, v, seg, log2_decay, n, heads, seg_len, **meta, num_warps=num_warps, num_stages=num_stages,
-        )
+    seg = incoming if incoming is not None else local_states
+    if seg is None:
+        seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
+        if num_seg > 1:
+            _segment_state_kernel[(batch * heads, num_seg - 1, slices)](
+                k, v, seg, log2_decay, n, heads, seg_len, **meta, num_warps=num_warps, num_stages=num_stages,
+            )
+    inc = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32) if store_incoming else sn
     s0 = initial_state if initial_state is not None else sn
     _la2_fast_forward_kernel[(batch * heads, num_seg, slices)](
-        q, k, v, o, s0, sn, seg, log2_decay, n, heads, seg_len, **meta,
-        HAS_S0=initial_state is not None, STORE_SN=True, num_warps=num_warps, num_stages=num_stages,
+        q, k, v, o, s0, sn, seg, inc, log2_decay, n, heads, seg_len, **meta,
+        HAS_S0=initial_state is not None, STORE_SN=True, SEG_IS_INCOMING=incoming is not None,
+        STORE_INC=store_incoming, num_warps=num_warps, num_stages=num_stages,
     )
-    return o, sn
+    aux = {"seg_len": seg_len, "local": None if incoming is not None else seg, "incoming": inc if store_incoming else None}
+    return o, sn, aux
 
 
 def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int = 64, block_dv: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None):
-    """Segmented forward. Returns (o, final_state fp32)."""
+                     num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None, save_states: bool = False):
+    """Segmented forward. Returns (o, final_state fp32), or (o, final_state, saved) with ``save_states``:
+    ``saved = (seg_len, incoming)`` holds every segment's incoming state, for la2_fast_backward's dQ pass."""
     s0 = initial_state.float().contiguous() if initial_state is not None else None
-    return _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len)
+    o, sn, aux = _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len,
+                               store_incoming=save_states)
+    return (o, sn, (aux["seg_len"], aux["incoming"])) if save_states else (o, sn)
 
 
 def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None, block: int = 64,
                       block_dv: int | None = None, num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None,
                       fused_dkdv: bool = False, dkdv_block: int | None = None, dkdv_warps: int = 8,
-                      dkdv_stages: int | None = None):
+                      dkdv_stages: int | None = None, saved=None):
     """Segmented backward. Returns (dq, dk, dv, d_initial_state fp32).
 
     By default the backward is three runs of the forward kernel: dQ = forward(dO, V, K) from S0^T, and in
     reversed time dV = forward(K, Q, dO) and dK = forward(V, dO, Q). ``fused_dkdv=True`` runs dK and dV
     in one kernel over the shared state instead (fewer bytes, but 7 dots per block on a d_k x d_v fp32
     state; slower on an H200, see chapter 08); it has its own tiles (dkdv_block, dkdv_warps, dkdv_stages).
+
+    Two passes are saved on long sequences. ``saved`` (from ``la2_fast_forward(..., save_states=True)``)
+    gives dQ every segment's incoming state KV^T, so it skips its pre-pass over K and V. And the dV and dK
+    passes read the same (Q, dO) in the same order: dK reuses dV's segment states, transposed.
     """
     import torch
 
@@ -277,14 +307,20 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     d_v = v.shape[-1]
     # dQ: the forward with (query, key, value) = (dO, V, K); its state is KV^T, starting from S0^T.
     s0t = initial_state.float().transpose(-1, -2).contiguous() if initial_state is not None else None
-    cfg = (block, block_dv, num_warps, num_stages, seg_len)
-    dq, _ = _forward_form(do, v, k, log2_decay, s0t, False, *cfg)
+    if saved is not None and saved[1] is not None:
+        seg_len, incoming = saved[0], saved[1].transpose(-1, -2).contiguous()  # KV^T at each segment start
+        dq, _, _ = _forward_form(do, v, k, log2_decay, s0t, False, block, block_dv, num_warps, num_stages, seg_len,
+                                 incoming=incoming)
+    else:
+        dq, _, _ = _forward_form(do, v, k, log2_decay, s0t, False, block, block_dv, num_warps, num_stages, seg_len)
     if fused_dkdv:
         dk, dv, x_end = _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages, seg_len,
                                     dkdv_block, dkdv_warps, dkdv_stages)
     else:
-        dv, x_end = _forward_form(k, q, do, log2_decay, None, True, *cfg)  # state sum q^T do = dKV
-        dk, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg)  # state sum do^T q = dKV^T
+        cfg = (block, block_dv, num_warps, num_stages)
+        dv, x_end, aux = _forward_form(k, q, do, log2_decay, None, True, *cfg, seg_len)  # state sum q^T do = dKV
+        local_t = aux["local"].transpose(-1, -2).contiguous()  # sum do^T q: dK's state is dV's, transposed
+        dk, _, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg, aux["seg_len"], local_states=local_t)
     # x_end = sum_t lambda^t q_t^T do_t (0-based t); dL/dS0 = sum_t lambda^(t+1) q_t^T do_t (+ lambda^n dSN).
     lam = torch.exp2(log2_decay.double()).view(1, heads, 1, 1)
     ds0 = (x_end.double() * lam).float()

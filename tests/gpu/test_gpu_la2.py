@@ -89,3 +89,19 @@ def test_decay_near_zero_and_long_sequence_stay_finite():
     assert torch.isfinite(o).all()
     ro = blockwise_forward(_np(q), _np(k), _np(v), lam, 256)[0]
     assert relative_error(o, ro) < BOUNDS[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", list(BOUNDS), ids=str)
+@pytest.mark.parametrize("shape", [(1, 2, 4099, 128, 128), (2, 3, 1000, 64, 32), (1, 2, 20000, 64, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_backward_reusing_forward_segment_states(shape, dtype):
+    from lightning_edu.triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
+
+    q, k, v, do, s0, dsn, lam = _case(shape, dtype, seed=3)
+    l2 = log2_decay_tensor(lam, "cuda")
+    o, sn, saved = la2_fast_forward(q, k, v, l2, s0, save_states=True)
+    assert saved[1].shape[1] > 1  # long enough to be cut into segments on a 132-SM GPU
+    grads = la2_fast_backward(q, k, v, do, l2, s0, dsn, saved=saved)
+    ref = blockwise_backward(_np(q), _np(k), _np(v), _np(do), lam, 64, _np(s0), _np(dsn))
+    for name, got, want in zip(("dq", "dk", "dv", "d_state"), grads, ref):
+        assert relative_error(got, want) < BOUNDS[dtype], name
