@@ -117,9 +117,18 @@ def test_backward_reusing_the_forwards_segment_states(seg_len):
     lam = np.array([0.97, 0.2])
     l2 = log2_decay_tensor(lam, "cpu")
     o, sn, saved = la2_fast_forward(q, k, v, l2, s0, block=16, seg_len=seg_len, save_states=True)
-    assert saved[1].shape[:2] == (4, -(-100 // saved[0]))
+    assert saved[1].shape[:2] == (4, -(-100 // saved[0])) and saved[1].shape[1] > 1
     grads = la2_fast_backward(q, k, v, do, l2, s0, dsn, block=16, seg_len=seg_len, saved=saved)
     ref = blockwise_backward(q.numpy(), k.numpy(), v.numpy(), do.numpy(), lam, 16, s0.numpy(), dsn.numpy())
     assert relative_error(o, blockwise_forward(q.numpy(), k.numpy(), v.numpy(), lam, 16, s0.numpy())[0]) < TOL
     for name, got, want in zip(("dq", "dk", "dv", "d_state"), grads, ref):
         assert relative_error(got, want) < TOL, name
+
+
+def test_one_segment_saves_nothing():
+    from lightning_edu.triton_kernels.la2_fast import la2_fast_forward
+
+    q, k, v, *_ = _inputs(1, 1, 40, 16, 16, seed=5)
+    _, _, (seg_len, incoming) = la2_fast_forward(q, k, v, log2_decay_tensor([0.9], "cpu"), block=16, seg_len=48,
+                                                 save_states=True)
+    assert seg_len == 48 and incoming is None
