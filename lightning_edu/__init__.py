@@ -8,9 +8,12 @@ The ladder, one module per rung (each checked against the rung below):
 * :mod:`~lightning_edu.triton_kernels`  -- IO-aware Triton GPU kernels (chapters 07-08)
 
 Side tools: :mod:`~lightning_edu.validation` (every argument check), :mod:`~lightning_edu.checks`
-(comparisons), :mod:`~lightning_edu.costs` (analytic cost model), :mod:`~lightning_edu.explorer`
-(widgets), :mod:`~lightning_edu.plots`, :mod:`~lightning_edu.measure`, :mod:`~lightning_edu.bench`,
-:mod:`~lightning_edu.book`, and :mod:`~lightning_edu.exercises` (one checker module per chapter).
+(comparisons), :mod:`~lightning_edu.errata` (the seeds' equations as printed, run against autograd),
+:mod:`~lightning_edu.costs` (analytic cost model), :mod:`~lightning_edu.decay_view` and
+:mod:`~lightning_edu.explorer` (widgets with static twins), :mod:`~lightning_edu.plots`,
+:mod:`~lightning_edu.measure` (CPU timing and memory), :mod:`~lightning_edu.torch_sweep` and
+:mod:`~lightning_edu.bench` (CPU/GPU sweeps), :mod:`~lightning_edu.book` (table of contents, notebook
+helpers), and :mod:`~lightning_edu.exercises` (one checker module per chapter).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import re
 import tomllib
 from pathlib import Path
 
-import yaml  # comes with jupyterlab (jupyter_events); packaging comes with pytest
+import yaml  # the dev extra pins pyyaml; packaging comes with pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
