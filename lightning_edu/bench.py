@@ -212,6 +212,8 @@ def _correctness(name, make, decay_fn, dtype):
     from .checks import relative_error
     from .numpy_blockwise import blockwise_forward
 
+    if name.startswith("sdpa"):  # softmax attention: a different function, nothing to compare with
+        return None
     q, k, v, do = _inputs(1, 4, 1000, 64, dtype, seed=7)
     decay = decay_fn(4)
     fwd, _ = make(q, k, v, decay, do)
@@ -219,8 +221,6 @@ def _correctness(name, make, decay_fn, dtype):
     if o.shape != v.shape:  # fla returns (batch, T, heads, d)
         o = o.transpose(1, 2)
     ref = blockwise_forward(*(x.double().cpu().numpy() for x in (q, k, v)), decay, 64)[0]
-    if name.startswith("sdpa"):
-        return None
     return relative_error(o, ref)
 
 

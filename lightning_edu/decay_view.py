@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 
 from .numpy_reference import decay_mask
 from .plots import color
-from .validation import validate_decay
+from .validation import validate_decay, validate_positive_int
 
 __all__ = ["DECAY_CHOICES", "effective_context", "render_decay_view", "decay_explorer"]
 
@@ -60,8 +60,7 @@ def render_decay_view(decay: float = 0.9, n: int = 32) -> Figure:
     Returns a matplotlib Figure (not managed by pyplot: display it, or it is not shown). Its first axes hold
     one image whose data is ``decay_mask(n, decay)``. (Chapter 03.)
     """
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
+    n = validate_positive_int("n", n)
     fig = Figure(figsize=(11.0, 4.2), layout="constrained")
     _draw(fig, decay, int(n))
     return fig

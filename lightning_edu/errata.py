@@ -25,7 +25,8 @@ import numpy as np
 
 from .checks import relative_error
 from .numpy_reference import causal_linear_recurrent
-from .validation import validate_attention_args, validate_block_size, validate_decay
+from .numpy_reference import decay_mask
+from .validation import validate_attention_args, validate_block_size, validate_choice, validate_decay
 
 __all__ = [
     "autograd_gradients", "finite_difference_gradients",
@@ -126,12 +127,6 @@ def _block(x, t, B):
     return x[(t - 1) * B : t * B]
 
 
-def _mask(B, lam):
-    r = np.arange(B)
-    gap = r[:, None] - r[None, :]
-    return np.where(gap >= 0, lam ** np.maximum(gap, 0), 0.0)
-
-
 def eq11_eq12_token_gradients(q, k, v, do, lam):
     """Eqs. 11-12 as printed (they are right): dq_t = do_t kv_t^T, dk_t = v_t dkv_t^T, dv_t = k_t dkv_t.
 
@@ -208,10 +203,11 @@ def dq_eq15(q, k, v, do, lam, B, r_range: str = "1..B"):
     ``r_range="0..B-1"``: the range eq. 14 states, 0 <= r < B, which makes Lambda = diag(1, ..., lambda^(B-1))
     (eq. 9's Lambda): wrong by a factor lambda on every inter term.
     """
+    r_range = validate_choice("r_range", r_range, ("1..B", "0..B-1"))
     q, k, v, do, lam, B = _single_head(q, k, v, do, lam, B)
     r = {"1..B": np.arange(1, B + 1), "0..B-1": np.arange(0, B)}[r_range]
     lam_diag = lam ** r[:, None]
-    M = _mask(B, lam)
+    M = decay_mask(B, lam)
     dq = np.empty_like(q)
     kv = np.zeros((q.shape[1], v.shape[1]))
     for t in range(q.shape[0] // B):  # block t+1 of the paper
@@ -238,6 +234,8 @@ def dk_eq16(q, k, v, do, lam, B, exponent: str = "printed", state: str = "eq13")
     ``exponent="corrected"``: e = s - p = s - (t-1)B - r, as the line above it in eq. 16 says.
     ``state``: which dKV_t: "eq13" (the definition) or "eq20" (the printed recursion, which is shifted).
     """
+    exponent = validate_choice("exponent", exponent, ("printed", "corrected"))
+    state = validate_choice("state", state, ("eq13", "eq20"))
     q, k, v, do, lam, B = _single_head(q, k, v, do, lam, B)
     T = q.shape[0] // B
     dkv = eq13_dkv_definition(q, do, lam, B) if state == "eq13" else eq20_dkv_recursion(q, do, lam, B)
@@ -254,9 +252,9 @@ def dk_eq16(q, k, v, do, lam, B, exponent: str = "printed", state: str = "eq13")
     return dk
 
 
-def _intra_blocks(q, k, v, do, lam, B):
-    """Per block (0-based list): the two intra products of Algorithm 2's reverse sweep, right as printed there."""
-    M = _mask(B, lam)
+def _intra_blocks(q, lam, B):
+    """The intra decay mask M and the row slices of the T whole blocks (0-based list)."""
+    M = decay_mask(B, lam)
     T = q.shape[0] // B
     rows = [slice(i * B, (i + 1) * B) for i in range(T)]
     return M, rows
@@ -270,10 +268,11 @@ def dk_eq17(q, k, v, do, lam, B, state: str = "eq20"):
     which block t-1 misses the contribution of block t (wrong). lambda^B Lambda^-1 is formed as
     diag(lambda^(B-r)) directly (its literal form overflows: see :func:`algorithm2`).
     """
+    state = validate_choice("state", state, ("eq13", "eq20"))
     q, k, v, do, lam, B = _single_head(q, k, v, do, lam, B)
     dkv = eq20_dkv_recursion(q, do, lam, B) if state == "eq20" else eq13_dkv_definition(q, do, lam, B)
     dkv = np.concatenate([dkv, np.zeros((1,) + dkv.shape[1:])])  # index T+1 for the eq13 case
-    M, rows = _intra_blocks(q, k, v, do, lam, B)
+    M, rows = _intra_blocks(q, lam, B)
     k_scale = lam ** (B - np.arange(1, B + 1))[:, None]
     dk = np.empty_like(k)
     for t in range(2, len(rows) + 2):  # block t-1 runs over 1..T
@@ -301,6 +300,7 @@ def dv_eq18_literal(q, k, v, do, lam, B, t: int = 1, r: int = 1):
 def dv_eq18(q, k, v, do, lam, B, exponent: str = "printed"):
     """dV token by token by eq. 18's last line (which has the k back):
     dv_p = k_p sum_{s=p..tB} lambda^e q_s^T do_s + lambda^(B-r) k_p dKV_t, with e as in :func:`dk_eq16`."""
+    exponent = validate_choice("exponent", exponent, ("printed", "corrected"))
     q, k, v, do, lam, B = _single_head(q, k, v, do, lam, B)
     T = q.shape[0] // B
     dkv = eq13_dkv_definition(q, do, lam, B)
@@ -319,10 +319,11 @@ def dv_eq19(q, k, v, do, lam, B, do_block: str = "printed"):
     ``do_block="printed"``: dO_t, the next block's (dO_{T+1}, past the end, is zero). ``"corrected"``: dO_{t-1}.
     dKV_t comes from the printed recursion eq. 20, for which eq. 19's inter term is right.
     """
+    do_block = validate_choice("do_block", do_block, ("printed", "corrected"))
     q, k, v, do, lam, B = _single_head(q, k, v, do, lam, B)
     dkv = eq20_dkv_recursion(q, do, lam, B)
     dkv = np.concatenate([dkv, np.zeros((1,) + dkv.shape[1:])])
-    M, rows = _intra_blocks(q, k, v, do, lam, B)
+    M, rows = _intra_blocks(q, lam, B)
     k_scale = lam ** (B - np.arange(1, B + 1))[:, None]
     dv = np.empty_like(v)
     for t in range(2, len(rows) + 2):
@@ -344,6 +345,8 @@ def algorithm2(q, k, v, do, lam, B, lambda_def: str = "algorithm", inverse: str 
     Returns (dq, dk, dv), and with ``return_states`` also the final KV (KV_T, the forward's final state) and
     the final dKV (dL/dKV_0, the gradient of an initial state).
     """
+    lambda_def = validate_choice("lambda_def", lambda_def, ("algorithm", "eq9"))
+    inverse = validate_choice("inverse", inverse, ("literal", "direct"))
     q, k, v, do, lam, B = _single_head(q, k, v, do, lam, B)
     T = q.shape[0] // B
     power = np.arange(1, B + 1) if lambda_def == "algorithm" else np.arange(0, B)
@@ -353,7 +356,7 @@ def algorithm2(q, k, v, do, lam, B, lambda_def: str = "algorithm", inverse: str 
             k_factor = lam**B * np.diag(1.0 / np.diag(Lam))
         else:
             k_factor = np.diag(lam ** (B - power).astype(np.float64))
-        M = _mask(B, lam)
+        M = decay_mask(B, lam)
         dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
         kv = np.zeros((q.shape[1], v.shape[1]))
         dkv = np.zeros_like(kv)
@@ -386,6 +389,7 @@ def la3_forward(q, k, v, BLOCK: int, order: str = "printed"):
     already holds chunk c, so every pair inside the chunk is counted (the upper triangle too) and the lower
     triangle twice. ``order="corrected"``: O_c uses the state of the chunks before c, then the update.
     """
+    order = validate_choice("order", order, ("printed", "corrected"))
     q, k, v, _, _, BLOCK = _single_head(q, k, v, v, 1.0, BLOCK)
     kv = np.zeros((q.shape[1], v.shape[1]))
     o = np.empty((q.shape[0], v.shape[1]))
@@ -413,6 +417,8 @@ def la3_backward(q, k, v, do, BLOCK: int, CBLOCK: int, dq: str = "printed", dkv_
     V_c dkv_state^T here so that the ordering is the only slip measured.
     Returns (dq, dk, dv).
     """
+    dq = validate_choice("dq", dq, ("printed", "per_j", "finished"))
+    dkv_order = validate_choice("dkv_order", dkv_order, ("printed", "corrected"))
     q, k, v, do, _, BLOCK = _single_head(q, k, v, do, 1.0, BLOCK)
     CBLOCK = validate_block_size(CBLOCK, "CBLOCK")
     if BLOCK % CBLOCK:

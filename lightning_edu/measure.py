@@ -106,9 +106,9 @@ def peak_memory_torch(fn: Callable[[], object]) -> int:
 def pin_blas_threads(threads: int = 1) -> list[str]:
     """Set the thread count of every OpenBLAS loaded in this process; returns the libraries changed.
 
-    On a small shared machine a multi-threaded BLAS stalls whenever another process is busy (a 2-core
-    CI box measured the right product of chapter 01 at 80 ms one run and 2 ms the next), so chapters
-    01-02 time with one thread. OpenBLAS reads its thread count when it loads; afterwards only its own
+    On a small shared machine a multi-threaded BLAS stalls whenever another process is busy (while
+    chapter 01 was written, its right product at n = 2048 once took 80 ms where it takes about 2 ms; an
+    observation, not a recorded measurement), so chapters 01-02 time with one thread. OpenBLAS reads its thread count when it loads; afterwards only its own
     setter changes it, found here by name in the libraries mapped into the process.
     """
     done = []

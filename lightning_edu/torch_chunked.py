@@ -194,7 +194,7 @@ def _forward(q, k, v, initial_state, decay, block_size, scan):
     entering = states[:, :, :-1].contiguous()  # a contiguous copy lets matmul fold all blocks into one bmm
     ob = intra_block_outputs(qb, kb, vb, mask) + inter_block_outputs(qb, entering, q_scale)
     o = ob.reshape(q.shape[0], q.shape[1], -1, v.shape[3])[:, :, :n]
-    return o.to(q.dtype), states[:, :, -1]
+    return o.to(q.dtype), states[:, :, -1].clone()  # a view would keep all n/B + 1 states alive
 
 
 def _backward(q, k, v, do, initial_state, d_final_state, decay, block_size, scan):

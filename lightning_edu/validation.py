@@ -17,7 +17,11 @@ import numpy as np
 
 BACKENDS = ("auto", "numpy", "torch", "triton")
 
-__all__ = ["BACKENDS", "validate_kernel_dtype", "AttentionArgs", "validate_attention_args", "validate_decay", "validate_block_size", "validate_choice", "validate_positive_int"]
+__all__ = [
+    "BACKENDS", "KERNEL_DTYPES", "AttentionArgs", "validate_attention_args", "validate_decay", "validate_block_size",
+    "validate_flag", "validate_choice", "validate_positive_int", "validate_kernel_dtype", "validate_head_dims",
+    "check_finite_scalar",
+]
 
 
 def _torch():

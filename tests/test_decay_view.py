@@ -61,9 +61,15 @@ def test_render_rejects_bad_decay(bad):
         render_decay_view(bad)
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
-def test_render_rejects_bad_n(bad):
+@pytest.mark.parametrize("bad", [0, -3])
+def test_render_rejects_non_positive_n(bad):
     with pytest.raises(ValueError, match="n must be a positive integer"):
+        render_decay_view(0.9, n=bad)
+
+
+@pytest.mark.parametrize("bad", [2.5, True, "8"])
+def test_render_rejects_n_of_the_wrong_type(bad):
+    with pytest.raises(TypeError, match="n must be a positive integer"):
         render_decay_view(0.9, n=bad)
 
 

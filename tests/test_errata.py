@@ -136,3 +136,19 @@ def test_literal_functions_refuse_blocks_that_do_not_divide_n():
     q, k, v, do = head(10)
     with pytest.raises(ValueError, match="B divides n"):
         errata.dk_eq17(q, k, v, do, 0.9, 4)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda a: errata.dk_eq16(*a, 0.9, 4, exponent="typo"),
+        lambda a: errata.dq_eq15(*a, 0.9, 4, r_range="1..b"),
+        lambda a: errata.algorithm2(*a, 0.9, 4, inverse="inverse"),
+        lambda a: errata.la3_backward(*a, 4, 2, dq="done"),
+    ],
+)
+def test_an_unknown_option_is_refused_not_read_as_the_corrected_form(call):
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal((1, 1, 8, 3)) for _ in range(4)]
+    with pytest.raises(ValueError, match=r"must be one of \("):
+        call(args)

@@ -27,7 +27,7 @@ __all__ = ["VARIANTS", "TritonLightningAttention", "triton_attention", "forward_
 
 
 def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None = None) -> dict:
-    """Tile sizes of the backend's kernels, chosen by the H100 sweep of chapter 07 (bench --tune)."""
+    """Tile sizes of the backend's kernels, chosen by the H200 tile sweep of chapter 07 (bench --tune, notebooks/data/tune_h200.json)."""
     big = max(d_k, d_v) > 128
     block = block_size or (32 if big else 64)
     return dict(block=block, block_dv=64 if big else None, num_warps=4, num_stages=2)

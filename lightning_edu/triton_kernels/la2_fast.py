@@ -1,6 +1,6 @@
 """Lightning Attention-2, beyond the paper: segmented, 16-bit tensor-core kernels. (Chapters 07-08.)
 
-Three ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
+Four ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
 
 1. **Segments.** The literal kernel runs one program per (batch, head): at 32K tokens per call that is
    16 programs on a 132-SM H100. Here the sequence is cut into ``num_segments`` segments. A short pre-pass
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ._tiles import dot_precision, pad_dim
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments"]
 
@@ -205,14 +207,6 @@ def _la2_fast_dkdv_kernel(
 # Launchers. Inputs: contiguous (batch, heads, n, d) tensors; log2_decay float32 (heads,).
 
 
-def _pad(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
-
-
-def _precision(x) -> str:
-    import torch
-
-    return "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
 
 
 def _sm_count(device) -> int:
@@ -252,17 +246,17 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
-    pad_k = _pad(d_k)
+    pad_k = pad_dim(d_k)
     if block_dv is None:
         # Enough (batch, head) programs to fill the chip: split d_v for more of them. Too few: keep d_v
         # whole (Q, K read once) and let segments supply the parallelism. (Tile sweep, chapter 07.)
         block_dv = 64 if batch * heads >= _sm_count(q.device) else 128
-    block_dv = min(_pad(d_v), block_dv)
+    block_dv = min(pad_dim(d_v), block_dv)
     slices = triton.cdiv(d_v, block_dv)
     num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len)
     o = torch.empty_like(v)
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
-    meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=_precision(q))
+    meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=dot_precision(q))
     seg = incoming if incoming is not None else local_states
     if seg is None:
         seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
@@ -327,19 +321,21 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     else:
         cfg = (block, block_dv, num_warps, num_stages)
         dv, x_end, aux = _forward_form(k, q, do, log2_decay, None, True, *cfg, seg_len)  # state sum q^T do = dKV
-        local_t = aux["local"].transpose(-1, -2).contiguous()  # sum do^T q: dK's state is dV's, transposed
+        one_segment = aux["local"].shape[1] == 1  # then there are no segment states to share
+        local_t = None if one_segment else aux["local"].transpose(-1, -2).contiguous()  # dK's are dV's, transposed
         dk, _, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg, aux["seg_len"], local_states=local_t)
     # x_end = sum_t lambda^t q_t^T do_t (0-based t); dL/dS0 = sum_t lambda^(t+1) q_t^T do_t (+ lambda^n dSN).
     lam = torch.exp2(log2_decay.double()).view(1, heads, 1, 1)
     ds0 = (x_end.double() * lam).float()
     if d_final_state is not None:
-        # The final state's gradient reaches token t through lambda^(n-1-t) (a rank-d update, cheap in torch).
-        t = torch.arange(n, device=q.device, dtype=torch.float64)
-        w = torch.exp2(log2_decay.double().view(heads, 1) * (n - 1 - t)).view(1, heads, n, 1)
-        dsn = d_final_state.double()
-        dk = (dk.double() + w * (v.double() @ dsn.transpose(-1, -2))).to(k.dtype)
-        dv = (dv.double() + w * (k.double() @ dsn)).to(v.dtype)
-        ds0 = (ds0.double() + lam**n * dsn).float()
+        # The final state's gradient reaches token t through lambda^(n-1-t): a rank-d update, done in torch in
+        # fp32 (the kernels' accumulation precision), one term at a time.
+        t = torch.arange(n, device=q.device, dtype=torch.float32)
+        w = torch.exp2(log2_decay.view(heads, 1) * (n - 1 - t)).view(1, heads, n, 1)
+        dsn = d_final_state.float()
+        dk = dk.float().addcmul_(w, v.float() @ dsn.transpose(-1, -2)).to(k.dtype)
+        dv = dv.float().addcmul_(w, k.float() @ dsn).to(v.dtype)
+        ds0 = (ds0.double() + lam**n * dsn.double()).float()
     return dq, dk, dv, ds0
 
 
@@ -358,15 +354,15 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
-    pad_k, pad_v = _pad(d_k), _pad(d_v)
+    pad_k, pad_v = pad_dim(d_k), pad_dim(d_v)
     if num_seg > 1:
         block_dv_seg = min(pad_v, block_dv or 64)
         _segment_state_kernel[(batch * heads, num_seg - 1, triton.cdiv(d_v, block_dv_seg))](
             q, do, seg, log2_decay, n, heads, seg_len_, D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv_seg,
-            BLOCK=block, REVERSE=True, PRECISION=_precision(q), num_warps=num_warps, num_stages=num_stages,
+            BLOCK=block, REVERSE=True, PRECISION=dot_precision(q), num_warps=num_warps, num_stages=num_stages,
         )
     _la2_fast_dkdv_kernel[(batch * heads, num_seg)](
         q, k, v, do, dk, dv, x_end, seg, log2_decay, n, heads, seg_len_, D_K=d_k, D_V=d_v, PAD_K=pad_k,
-        PAD_V=pad_v, BLOCK=block, STORE_XN=True, PRECISION=_precision(q), num_warps=dkdv_warps, num_stages=dkdv_stages,
+        PAD_V=pad_v, BLOCK=block, STORE_XN=True, PRECISION=dot_precision(q), num_warps=dkdv_warps, num_stages=dkdv_stages,
     )
     return dk, dv, x_end

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..validation import validate_head_dims
+from ._tiles import dot_precision, pad_dim
 
 __all__ = [
     "la2_literal_forward_kernel", "la2_literal_dq_kernel", "la2_literal_dkdv_kernel",
@@ -169,21 +170,12 @@ def la2_literal_dkdv_kernel(
 # ``log2_decay`` a float32 tensor (heads,) on the same device; checks happened in validation.py.
 
 
-def _pad(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
-
 
 def _block_cap(*dims: int) -> int:
     # Everything is upcast to fp32 on chip, so wide heads need short blocks to fit in shared memory
-    # (an H200 refused 64 x 128 fp32 tiles): 64 rows up to d = 64, 32 at 128, 16 at 256.
-    return {16: 64, 32: 64, 64: 64, 128: 32}.get(max(_pad(d) for d in dims), 16)
+    # (an H200 refused 64 x 128 fp32 tiles): 64 rows up to d = 64, 32 at d = 128 (the largest allowed).
+    return 32 if max(pad_dim(d) for d in dims) >= 128 else 64
 
-
-def _precision(x) -> str:
-    import torch
-
-    # fp32 inputs get full fp32 products (the correctness rung); 16-bit inputs are already coarser than tf32.
-    return "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
 
 
 def la2_literal_forward(q, k, v, log2_decay, initial_state=None, block: int = 64):
@@ -196,13 +188,13 @@ def la2_literal_forward(q, k, v, log2_decay, initial_state=None, block: int = 64
     block = min(block, _block_cap(d_k, d_v))
     o = torch.empty_like(v)
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
-    block_dv = min(_pad(d_v), 64)
+    block_dv = min(pad_dim(d_v), 64)
     grid = (batch * heads, triton.cdiv(d_v, block_dv))
     s0 = initial_state.float().contiguous() if initial_state is not None else sn
     la2_literal_forward_kernel[grid](
         q, k, v, o, s0, sn, log2_decay, n, heads,
-        D_K=d_k, D_V=d_v, PAD_K=_pad(d_k), BLOCK_DV=block_dv, BLOCK=block,
-        HAS_S0=initial_state is not None, STORE_SN=True, PRECISION=_precision(q),
+        D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k), BLOCK_DV=block_dv, BLOCK=block,
+        HAS_S0=initial_state is not None, STORE_SN=True, PRECISION=dot_precision(q),
     )
     return o, sn
 
@@ -214,22 +206,22 @@ def la2_literal_backward(q, k, v, do, log2_decay, initial_state=None, d_final_st
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
     # The reverse sweep keeps the whole d_k x d_v fp32 state on chip: 256 KiB at d = 256, more than an
-    # H200 SM's 227 KiB of shared memory (measured: "Required: 360448"). la2_fast splits the work instead.
+    # H200 SM's 227 KiB of shared memory (its compiler asked for 360448 bytes: notebooks/data/gpu_tests_h200.json).
     validate_head_dims(d_k, d_v, 128, "la2_literal")
     block = min(block, _block_cap(d_k, d_v))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ds0 = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
-    block_dk = min(_pad(d_k), 64)
+    block_dk = min(pad_dim(d_k), 64)
     s0 = initial_state.float().contiguous() if initial_state is not None else ds0
     la2_literal_dq_kernel[(batch * heads, triton.cdiv(d_k, block_dk))](
         k, v, do, dq, s0, log2_decay, n, heads,
-        D_K=d_k, D_V=d_v, BLOCK_DK=block_dk, PAD_V=_pad(d_v), BLOCK=block,
-        HAS_S0=initial_state is not None, PRECISION=_precision(q),
+        D_K=d_k, D_V=d_v, BLOCK_DK=block_dk, PAD_V=pad_dim(d_v), BLOCK=block,
+        HAS_S0=initial_state is not None, PRECISION=dot_precision(q),
     )
     dsn = d_final_state.float().contiguous() if d_final_state is not None else ds0
     la2_literal_dkdv_kernel[(batch * heads,)](
         q, k, v, do, dk, dv, dsn, ds0, log2_decay, n, heads,
-        D_K=d_k, D_V=d_v, PAD_K=_pad(d_k), PAD_V=_pad(d_v), BLOCK=block,
-        HAS_DSN=d_final_state is not None, STORE_DS0=True, PRECISION=_precision(q), num_warps=8,
+        D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k), PAD_V=pad_dim(d_v), BLOCK=block,
+        HAS_DSN=d_final_state is not None, STORE_DS0=True, PRECISION=dot_precision(q), num_warps=8,
     )
     return dq, dk, dv, ds0
