@@ -20,7 +20,7 @@ import numpy as np
 from .numpy_reference import decay_mask
 from .validation import validate_attention_args
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "block_factors", "blockwise_forward", "blockwise_backward"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "block_factors", "block_slices", "blockwise_forward", "blockwise_backward"]
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -36,9 +36,9 @@ def block_factors(b: int, decay: np.ndarray):
     return decay_mask(b, decay), lam ** (r + 1), lam ** (b - 1 - r), lam**b
 
 
-def _blocks(n: int, block_size: int):
-    for start in range(0, n, block_size):
-        yield slice(start, min(start + block_size, n))
+def block_slices(n: int, block_size: int) -> list[slice]:
+    """The rows of each block of a sequence of n tokens: full blocks of B rows, the last one possibly shorter."""
+    return [slice(start, min(start + block_size, n)) for start in range(0, n, block_size)]
 
 
 def _prepare(q, k, v, decay, block_size, initial_state, do=None, d_final_state=None, who=None):
@@ -63,7 +63,7 @@ def blockwise_forward(q, k, v, decay=1.0, block_size: int | None = None, initial
     """
     args, block, (q, k, v), kv = _prepare(q, k, v, decay, block_size, initial_state, who="blockwise_forward")
     out = np.empty((args.batch, args.heads, args.seq_len, args.d_v))
-    for rows in _blocks(args.seq_len, block):
+    for rows in block_slices(args.seq_len, block):
         qi, ki, vi = q[:, :, rows], k[:, :, rows], v[:, :, rows]
         mask, q_scale, k_scale, block_decay = block_factors(qi.shape[2], args.decay)
         intra = ((qi @ ki.swapaxes(-1, -2)) * mask) @ vi
@@ -84,7 +84,7 @@ def blockwise_backward(q, k, v, do, decay=1.0, block_size: int | None = None, in
     args, block, (q, k, v), kv = _prepare(q, k, v, decay, block_size, initial_state, do, d_final_state, "blockwise_backward")
     do = np.asarray(do, dtype=np.float64)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    blocks = list(_blocks(args.seq_len, block))
+    blocks = block_slices(args.seq_len, block)
     for rows in blocks:  # forward sweep: dQ_i = [(dO_i V_i^T) * M] K_i + diag(lambda^(r+1)) dO_i KV^T
         qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v[:, :, rows], do[:, :, rows]
         mask, q_scale, k_scale, block_decay = block_factors(qi.shape[2], args.decay)

@@ -113,11 +113,11 @@ def test_block_lengths_solution_passes(capsys):
 
 def test_block_lengths_reference_by_hand():
     # The reference comes from the package's own split; pin it to hand-written answers.
-    from lightning_edu.numpy_blockwise import _blocks
+    from lightning_edu.numpy_blockwise import block_slices
 
-    assert [s.stop - s.start for s in _blocks(130, 64)] == [64, 64, 2]
-    assert [s.stop - s.start for s in _blocks(1, 64)] == [1]
-    assert [s.stop - s.start for s in _blocks(37, 5)] == [5] * 7 + [2]
+    assert [s.stop - s.start for s in block_slices(130, 64)] == [64, 64, 2]
+    assert [s.stop - s.start for s in block_slices(1, 64)] == [1]
+    assert [s.stop - s.start for s in block_slices(37, 5)] == [5] * 7 + [2]
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from ..numpy_blockwise import _blocks
+from ..numpy_blockwise import block_slices
 from ..numpy_reference import causal_linear_recurrent
 from ._core import ExerciseError, expect_shape, passed
 
@@ -141,7 +141,7 @@ def check_block_lengths(block_lengths) -> bool:
     """``block_lengths(n, B)``: the lengths of the T = ceil(n / B) blocks the package cuts a sequence of n into."""
     cases = [(130, 64), (128, 64), (1, 64), (37, 5), (7, 1), (1000, 256), (63, 64)]
     for n, block in cases:
-        want = [s.stop - s.start for s in _blocks(n, block)]
+        want = [s.stop - s.start for s in block_slices(n, block)]
         got = block_lengths(n, block)
         where = f"block_lengths({n}, {block})"
         if got is None:

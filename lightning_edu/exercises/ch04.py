@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..checks import random_qkv, relative_error
-from ..numpy_blockwise import blockwise_forward
+from ..numpy_blockwise import block_slices, blockwise_forward
 from ..numpy_reference import causal_linear_masked, causal_linear_recurrent
 from ._core import ExerciseError, expect_close, expect_shape, passed
 
@@ -35,16 +35,12 @@ def _ref_state(kv, k, v, lam):
     return state[0, 0]
 
 
-def _block_rows(n, block):
-    return [(start, min(start + block, n)) for start in range(0, n, block)]
-
-
 def _known_mistake(q, k, v, lam, block, inter_power, update_first):
     """Algorithm 1 with one classic mistake (for diagnosis only): the inter factor lambda^(r + inter_power),
     or the state updated before the block's output."""
     out = np.empty((len(q), v.shape[1]))
     kv = np.zeros((q.shape[1], v.shape[1]))
-    for start, stop in _block_rows(len(q), block):
+    for start, stop in ((r.start, r.stop) for r in block_slices(len(q), block)):
         qi, ki, vi = q[start:stop], k[start:stop], v[start:stop]
         if update_first:
             kv = _ref_state(kv, ki, vi, lam)
@@ -60,7 +56,7 @@ def check_intra_block(intra_block) -> bool:
     cases = [(37, 8, 5, 3, 0.8, 40), (20, 20, 4, 6, 1.0, 41), (300, 300, 3, 2, 0.05, 42)]
     for n, block, d_k, d_v, lam, seed in cases:
         q, k, v = _one_head(n, d_k, d_v, seed)
-        for index, (start, stop) in enumerate(_block_rows(n, block)):
+        for index, (start, stop) in enumerate((r.start, r.stop) for r in block_slices(n, block)):
             qi, ki, vi = q[start:stop], k[start:stop], v[start:stop]
             ref = _ref_intra(qi, ki, vi, lam)
             name = f"intra_block on block {index} (rows {start}-{stop - 1}, lambda = {lam})"
@@ -89,7 +85,7 @@ def check_state_update(update_state) -> bool:
         _, k, v = _one_head(n, d_k, d_v, seed)
         kv_mine = np.zeros((d_k, d_v))
         kv_ref = np.zeros((d_k, d_v))
-        for index, (start, stop) in enumerate(_block_rows(n, block)):
+        for index, (start, stop) in enumerate((r.start, r.stop) for r in block_slices(n, block)):
             ki, vi = k[start:stop], v[start:stop]
             b = stop - start
             ref = _ref_state(kv_ref, ki, vi, lam)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..numpy_blockwise import block_factors, blockwise_backward
+from ..numpy_blockwise import block_factors, block_slices, blockwise_backward
 from ._core import ExerciseError, expect_close, expect_shape, passed
 
 __all__ = ["check_dkv_update", "check_dk_inter", "check_reverse_sweep"]
@@ -30,10 +30,6 @@ def _inputs(case, seed):
     return q, k, v, do, np.array(decay, dtype=np.float64), block
 
 
-def _blocks(n, block):
-    return [slice(s, min(s + block, n)) for s in range(0, n, block)]
-
-
 def _call(name, fn, *args):
     try:
         return fn(*args)
@@ -48,7 +44,7 @@ def _sweep(q, k, v, do, decay, block, update=None, inter=None, read_after_update
     """The reverse sweep of Algorithm 2 with pluggable pieces: (dk, dv, dKV before the first block)."""
     dk, dv = np.empty_like(k), np.empty_like(v)
     dkv = np.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]))
-    blocks = _blocks(q.shape[2], block)
+    blocks = block_slices(q.shape[2], block)
     for index in reversed(range(len(blocks))):
         rows = blocks[index]
         qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v[:, :, rows], do[:, :, rows]
@@ -100,7 +96,7 @@ def check_dkv_update(dkv_update) -> bool:
         q, k, v, do, decay, block = _inputs(case, 500 + seed)
         _, ref_dk, ref_dv, ref_state = blockwise_backward(q, k, v, do, decay, block)
         # one block first, for a precise diagnosis
-        rows = _blocks(q.shape[2], block)[0]
+        rows = block_slices(q.shape[2], block)[0]
         dkv0 = np.random.default_rng(seed).standard_normal(ref_state.shape)
         one = _call("dkv_update", dkv_update, dkv0.copy(), q[:, :, rows].copy(), do[:, :, rows].copy(), decay.copy())
         expect_shape("dkv_update(...)", one, dkv0.shape)
@@ -138,7 +134,7 @@ def check_dk_inter(dk_inter) -> bool:
             "No decay on the inter term: key row r is b-1-r steps from the block's end, scale it by lambda^(b-1-r)": lambda vi, s, d: vi @ s.swapaxes(-1, -2),
         }
         hint = "dK_inter = diag(lambda^(b-1-r)) V_i dKV^T, r = 0..b-1, with dKV the state of the blocks after this one"
-        rows = _blocks(q.shape[2], block)[0]
+        rows = block_slices(q.shape[2], block)[0]
         probe_state = np.random.default_rng(seed).standard_normal(q.shape[:2] + (q.shape[-1], v.shape[-1]))
         vi = v[:, :, rows]
         one = np.asarray(_call("dk_inter", dk_inter, vi.copy(), probe_state.copy(), decay.copy()), dtype=np.float64)
@@ -178,7 +174,7 @@ def check_reverse_sweep(reverse_sweep) -> bool:
             )
             expect_close(f"dk {where}", dk, ref_dk, block_size=block, hint=hint)
         next_dv = _sweep(q, k, v, do, decay, block, dv_next_do=True)[1]
-        full = slice(0, (len(_blocks(q.shape[2], block)) - 2) * block)  # blocks whose next block is full too
+        full = slice(0, (len(block_slices(q.shape[2], block)) - 2) * block)  # blocks whose next block is full too
         if _matches(dv[:, :, full], next_dv[:, :, full]) and not _matches(dv, ref_dv):
             hint = (
                 "the intra term of dV pairs block i's scores [(Q_i K_i^T) * M]^T with dO_i of the same block; you used "
