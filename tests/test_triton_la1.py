@@ -94,3 +94,23 @@ def test_arguments_are_checked():
         la1_forward(y, y, torch.zeros(1, 1, 4, 512, device=DEVICE))
     with pytest.raises(ValueError, match="v must match q in seq_len"):
         la1_forward(y, y, torch.zeros(1, 1, 5, 16, device=DEVICE))
+
+
+def test_la1_cost_by_hand_and_its_checks():
+    from lightning_edu.triton_kernels.la1 import la1_cost
+
+    # n = 4, B = 2, d = 1: t = 2 blocks, 3 block pairs, each 2 dots of 2 x 2 x 1 for QK^T and PV: 2*2*2*(1+1) = 16.
+    c = la1_cost(4, 1, 1, 2)
+    assert c["pairs"] == 3 and c["flops"] == 3 * 16
+    # bytes: Q_i in and O_i out per query block (2 * 2 * 2 elements) + K_j, V_j per pair (3 * 2 * 2), bf16.
+    assert c["hbm_bytes"] == (2 * 2 * 2 + 3 * 2 * 2) * 2
+    assert la1_cost(4, 1, 1, 2, batch=2, heads=3)["flops"] == 6 * 3 * 16
+    for bad in ({"batch": 0}, {"heads": True}, {"dtype_bytes": 2.0}):
+        with pytest.raises((TypeError, ValueError), match=list(bad)[0]):
+            la1_cost(4, 1, 1, 2, **bad)
+
+
+def test_la1_refuses_heads_wider_than_it_was_tested_for():
+    q = torch.zeros(1, 1, 16, 256)
+    with pytest.raises(ValueError, match=r"la1 supports d_k, d_v <= 128"):
+        la1_forward(q, q, q[..., :16], 0.9)

@@ -34,7 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validation import validate_attention_args, validate_block_size, validate_kernel_dtype
+from ..validation import (
+    validate_attention_args, validate_block_size, validate_choice, validate_head_dims, validate_positive_int,
+)
 
 __all__ = [
     "la1_forward_kernel", "la1_backward_dq_kernel", "la1_backward_dkdv_kernel",
@@ -217,9 +219,9 @@ def _head_block(d: int) -> int:
 
 def _prepare(q, k, v, decay, block_size, do=None):
     """Validate, make the last axis contiguous, turn lambda into a float32 (heads,) tensor on q's device."""
-    # Shapes, devices, dtypes alike, decay in (0, 1], block a power of two >= 16 and d <= 256: all in validation.py.
+    # Shapes, devices, fp32/fp16/bf16, decay in (0, 1], block a power of two >= 16: all in validation.py.
     args = validate_attention_args(q, k, v, decay, backend="triton", block_size=block_size, do=do)
-    validate_kernel_dtype("q", q)
+    validate_head_dims(args.d_k, args.d_v, 128, "la1")  # tested up to d = 128 (tests/gpu/test_gpu_la1.py)
     # fp32 tiles are twice as wide in bytes: 32 rows keep the pipelined K/V tiles inside shared memory at d = 128.
     block = args.block_size or ((32 if q.dtype == torch.float32 else 64) if q.is_cuda else 16)
     decay_t = torch.as_tensor(args.decay, dtype=torch.float32, device=q.device)
@@ -315,13 +317,12 @@ def la1_cost(n: int, d_k: int, d_v: int | None = None, block_size: int = 64, *, 
     on or below the diagonal; each costs 2 dots of B x B x d in the forward, 6 in the backward (dQ: 2;
     dK and dV: 4). Returns a dict with ``flops``, ``hbm_bytes`` and ``pairs`` (block pairs per head).
     """
-    from ..validation import validate_choice, validate_positive_int
-
     direction = validate_choice("direction", direction, ("forward", "backward"))
     n, d_k = validate_positive_int("n", n), validate_positive_int("d_k", d_k)
     d_v = d_k if d_v is None else validate_positive_int("d_v", d_v)
     block = validate_positive_int("block_size", block_size)
-    pairs_per_head = batch * heads
+    heads_total = validate_positive_int("batch", batch) * validate_positive_int("heads", heads)
+    dtype_bytes = validate_positive_int("dtype_bytes", dtype_bytes)
     t = -(-n // block)
     pairs = t * (t + 1) // 2
     dot_kv = 2 * block * block * (d_k + d_v)  # Q K^T and P V (or their backward twins): one pair, both dots
@@ -334,7 +335,7 @@ def la1_cost(n: int, d_k: int, d_v: int | None = None, block_size: int = 64, *, 
         # dQ kernel: dO_i in, dQ_i out, K_j and V_j per pair; dK/dV kernel: K_j, V_j in, dK_j, dV_j out, Q_i and dO_i per pair
         elements = t * block * (d_v + d_k) + pairs * block * (d_k + d_v)
         elements += t * block * 2 * (d_k + d_v) + pairs * block * (d_k + d_v)
-    return {"flops": pairs_per_head * flops, "hbm_bytes": pairs_per_head * elements * dtype_bytes, "pairs": pairs}
+    return {"flops": heads_total * flops, "hbm_bytes": heads_total * elements * dtype_bytes, "pairs": pairs}
 
 
 def figure3_benchmark(seq_lens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), heads: int = 16,
