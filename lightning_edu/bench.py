@@ -224,35 +224,32 @@ def _correctness(name, make, decay_fn, dtype):
     return relative_error(o, ref)
 
 
-def _measure(make, q, k, v, decay, do, do_fwd=True, do_bwd=True):
+def _time_and_peak(fn, output_bytes: int) -> tuple[float, int]:
+    """Median ms of ``fn`` (after one warm-up call) and its peak allocation beyond its own outputs."""
     import torch
     from triton.testing import do_bench
 
+    fn()
+    torch.cuda.synchronize()
+    ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base - output_bytes
+    del out
+    return ms, peak
+
+
+def _measure(make, q, k, v, decay, do, do_fwd=True, do_bwd=True):
     fwd, fwdbwd = make(q, k, v, decay, do)
     row = {}
     tensor_bytes = q.numel() * q.element_size()
     if do_fwd:
-        fwd()
-        torch.cuda.synchronize()
-        row["fwd_ms"] = do_bench(fwd, warmup=25, rep=100, return_mode="median")
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out = fwd()
-        torch.cuda.synchronize()
-        row["fwd_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base - tensor_bytes  # minus o
-        del out
+        row["fwd_ms"], row["fwd_peak_extra_bytes"] = _time_and_peak(fwd, tensor_bytes)  # minus o
     if do_bwd:
-        fwdbwd()
-        torch.cuda.synchronize()
-        row["fwdbwd_ms"] = do_bench(fwdbwd, warmup=25, rep=100, return_mode="median")
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out = fwdbwd()
-        torch.cuda.synchronize()
-        row["fwdbwd_peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base - 3 * tensor_bytes  # minus dq, dk, dv
-        del out
+        row["fwdbwd_ms"], row["fwdbwd_peak_extra_bytes"] = _time_and_peak(fwdbwd, 3 * tensor_bytes)  # minus dq, dk, dv
     return row
 
 
