@@ -68,7 +68,7 @@ def lightning_attention_backward(
     do,
     decay=1.0,
     *,
-    backend: str = "numpy",
+    backend: str = "auto",
     block_size: int | None = None,
     initial_state=None,
     d_final_state=None,
@@ -81,7 +81,7 @@ def lightning_attention_backward(
     """
     args = validate_attention_args(
         q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state, do=do,
-        d_final_state=d_final_state,
+        d_final_state=d_final_state, need_do=True,
     )
     return_state_grad = validate_flag("return_state_grad", return_state_grad)
     dq, dk, dv, d_state = _backend(args).backward_from_args(args, d_final_state)

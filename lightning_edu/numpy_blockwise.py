@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .numpy_reference import decay_mask
+from .numpy_reference import decay_mask, masked_product
 from .validation import validate_attention_args
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "block_factors", "block_slices", "blockwise_forward", "blockwise_backward"]
@@ -36,15 +36,20 @@ def block_factors(b: int, decay: np.ndarray):
     return decay_mask(b, decay), lam ** (r + 1), lam ** (b - 1 - r), lam**b
 
 
+def _causal(b: int) -> np.ndarray:
+    """The (b, b) boolean tile r >= s: which entries of M exist. Selected with, never multiplied by."""
+    return np.tril(np.ones((b, b), dtype=bool))
+
+
 def block_slices(n: int, block_size: int) -> list[slice]:
     """The rows of each block of a sequence of n tokens: full blocks of B rows, the last one possibly shorter."""
     return [slice(start, min(start + block_size, n)) for start in range(0, n, block_size)]
 
 
-def _prepare(q, k, v, decay, block_size, initial_state, do=None, d_final_state=None, who=None):
+def _prepare(q, k, v, decay, block_size, initial_state, do=None, d_final_state=None, who=None, need_do=False):
     args = validate_attention_args(
         q, k, v, decay, backend="numpy", block_size=block_size, initial_state=initial_state, do=do,
-        d_final_state=d_final_state, who=who,
+        d_final_state=d_final_state, who=who, need_do=need_do,
     )
     block = args.block_size or DEFAULT_BLOCK_SIZE
     arrays = [np.asarray(x, dtype=np.float64) for x in (args.q, args.k, args.v)]
@@ -66,7 +71,8 @@ def blockwise_forward(q, k, v, decay=1.0, block_size: int | None = None, initial
     for rows in block_slices(args.seq_len, block):
         qi, ki, vi = q[:, :, rows], k[:, :, rows], v[:, :, rows]
         mask, q_scale, k_scale, block_decay = block_factors(qi.shape[2], args.decay)
-        intra = ((qi @ ki.swapaxes(-1, -2)) * mask) @ vi
+        keep = _causal(qi.shape[2])
+        intra = masked_product((qi @ ki.swapaxes(-1, -2)) * mask, keep, vi)
         inter = (q_scale * qi) @ kv
         out[:, :, rows] = intra + inter
         kv = block_decay * kv + (k_scale * ki).swapaxes(-1, -2) @ vi
@@ -81,22 +87,25 @@ def blockwise_backward(q, k, v, do, decay=1.0, block_size: int | None = None, in
     ``d_final_state`` is the gradient flowing into the returned final state (zeros if None): it seeds dKV.
     Returns (dq, dk, dv, d_initial_state).
     """
-    args, block, (q, k, v), kv = _prepare(q, k, v, decay, block_size, initial_state, do, d_final_state, "blockwise_backward")
+    args, block, (q, k, v), kv = _prepare(
+        q, k, v, decay, block_size, initial_state, do, d_final_state, "blockwise_backward", need_do=True
+    )
     do = np.asarray(do, dtype=np.float64)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     blocks = block_slices(args.seq_len, block)
     for rows in blocks:  # forward sweep: dQ_i = [(dO_i V_i^T) * M] K_i + diag(lambda^(r+1)) dO_i KV^T
         qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v[:, :, rows], do[:, :, rows]
         mask, q_scale, k_scale, block_decay = block_factors(qi.shape[2], args.decay)
-        dq[:, :, rows] = ((doi @ vi.swapaxes(-1, -2)) * mask) @ ki + q_scale * (doi @ kv.swapaxes(-1, -2))
+        dq[:, :, rows] = masked_product((doi @ vi.swapaxes(-1, -2)) * mask, _causal(qi.shape[2]), ki) + q_scale * (doi @ kv.swapaxes(-1, -2))
         kv = block_decay * kv + (k_scale * ki).swapaxes(-1, -2) @ vi
     dkv = np.zeros_like(kv) if d_final_state is None else np.array(d_final_state, dtype=np.float64)
     for rows in reversed(blocks):  # reverse sweep over dKV
         qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v[:, :, rows], do[:, :, rows]
         mask, q_scale, k_scale, block_decay = block_factors(qi.shape[2], args.decay)
-        dk[:, :, rows] = ((doi @ vi.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ qi + k_scale * (vi @ dkv.swapaxes(-1, -2))
+        later = _causal(qi.shape[2]).T  # row s of a transposed score tile meets rows r >= s
+        dk[:, :, rows] = masked_product(((doi @ vi.swapaxes(-1, -2)) * mask).swapaxes(-1, -2), later, qi) + k_scale * (vi @ dkv.swapaxes(-1, -2))
         # The intra term pairs this block's scores with this block's dO_i (eq. 19 prints dO_{t} for block t-1).
-        dv[:, :, rows] = ((qi @ ki.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ doi + k_scale * (ki @ dkv)
+        dv[:, :, rows] = masked_product(((qi @ ki.swapaxes(-1, -2)) * mask).swapaxes(-1, -2), later, doi) + k_scale * (ki @ dkv)
         dkv = block_decay * dkv + (q_scale * qi).swapaxes(-1, -2) @ doi
     return dq, dk, dv, dkv
 

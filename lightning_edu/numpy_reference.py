@@ -14,6 +14,7 @@ from .validation import check_finite_scalar, validate_attention_args, validate_d
 __all__ = [
     "elu_plus_one",
     "decay_mask",
+    "masked_product",
     "softmax_attention",
     "linear_attention_left",
     "linear_attention_right",
@@ -54,18 +55,36 @@ def decay_mask(n: int, decay=1.0) -> np.ndarray:
     return mask[0] if scalar else mask
 
 
+def masked_product(weights, keep, x) -> np.ndarray:
+    """``where(keep, weights, 0) @ x`` where the mask *selects*: non-finite values stay where they belong. (Chapter 03.)
+
+    Multiplying by a 0/1 mask is not the same thing: a NaN or inf in a masked-out weight, or in a row of
+    ``x`` that a masked-out weight meets, survives as NaN (NaN x 0 = NaN, inf x 0 = NaN), and one bad token
+    would poison the outputs before it. Here output[i, j] is non-finite exactly when some kept (i, s) meets
+    a non-finite weights[i, s] or x[s, j]; such outputs are NaN. weights, keep: (..., m, p); x: (..., p, d).
+    """
+    a = np.where(keep, weights, 0.0)
+    bad = ~np.isfinite(x)
+    if not bad.any():
+        return a @ x
+    # A dense product meets every x[s] with every row; zero the bad entries for it, then mark as NaN exactly
+    # the outputs whose kept weights reach one of them.
+    reach = np.asarray(keep, dtype=np.float64) @ bad.astype(np.float64)
+    return np.where(reach > 0, np.nan, a @ np.where(bad, 0.0, x))
+
+
 def softmax_attention(q, k, v, *, causal: bool = False, scale: float | None = None) -> np.ndarray:
     """softmax(q k^T * scale [+ causal mask]) v, the baseline every linear method is compared with. (Chapter 01.)"""
     _, q, k, v = _checked(q, k, v, who="softmax_attention")
     causal = validate_flag("causal", causal)
     scale = q.shape[-1] ** -0.5 if scale is None else check_finite_scalar("scale", scale)
     scores = (q @ k.swapaxes(-1, -2)) * scale
-    if causal:
-        n = q.shape[-2]
-        scores = np.where(np.tril(np.ones((n, n), dtype=bool)), scores, -np.inf)
+    n = q.shape[-2]
+    keep = np.tril(np.ones((n, n), dtype=bool)) if causal else np.ones((n, n), dtype=bool)
+    scores = np.where(keep, scores, -np.inf)
     scores = scores - scores.max(axis=-1, keepdims=True)  # the max-shift keeps exp from overflowing
     weights = np.exp(scores)
-    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+    return masked_product(weights / weights.sum(axis=-1, keepdims=True), keep, v)
 
 
 def linear_attention_left(q, k, v) -> np.ndarray:
@@ -84,7 +103,9 @@ def causal_linear_masked(q, k, v, decay=1.0) -> np.ndarray:
     """Causal linear attention by the masked left product [(Q K^T) * M] V: O(n^2 d). (Chapters 02-03.)"""
     args, q, k, v = _checked(q, k, v, decay, who="causal_linear_masked")
     mask = decay_mask(args.seq_len, args.decay)  # (heads, n, n)
-    return ((q @ k.swapaxes(-1, -2)) * mask) @ v
+    keep = np.tril(np.ones((args.seq_len, args.seq_len), dtype=bool))
+    # Select the causal entries rather than multiply by M's zeros: a NaN at a later token stays there.
+    return masked_product((q @ k.swapaxes(-1, -2)) * mask, keep, v)
 
 
 def causal_linear_recurrent(q, k, v, decay=1.0, *, initial_state=None, return_state: bool = False):

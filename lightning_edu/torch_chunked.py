@@ -15,6 +15,11 @@ lambda^(r-s) (r >= s); q_r meets the carried-in state with lambda^(r+1); k_r ent
 with lambda^(b-1-r), b the block's real length. Every factor is lambda to a non-negative power: nothing
 overflows for any lambda in (0, 1].
 
+Every decay factor is formed in float64 and only then rounded to the compute dtype: rounding lambda to
+float32 first and raising it to the 64th power multiplies its rounding error by 64 (chapter 06 measures
+it). Masks select (``torch.where``), they never multiply, so a NaN or inf reaches exactly the outputs that
+depend on it (:func:`masked_product`).
+
 Precision: float32 and float64 inputs compute in their own dtype. float16/bfloat16 inputs are cast to
 float32 for every matmul and for the states; o comes back in the input dtype, the final state in float32
 (it is carried into the next call, so rounding it to bf16 would throw away the precision kept).
@@ -32,6 +37,7 @@ __all__ = [
     "SCANS",
     "compute_dtype",
     "decay_tensor",
+    "masked_product",
     "block_factors",
     "to_blocks",
     "chunk_factors",
@@ -63,23 +69,52 @@ def decay_tensor(decay, device, dtype=torch.float64) -> torch.Tensor:
     return torch.as_tensor(np.asarray(decay, dtype=np.float64), dtype=torch.float64, device=device).to(dtype)
 
 
-def _powers(lam: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
-    """lam[h] ** exponent[...] for integer exponents >= 0, shape (heads, *exponent.shape), in lam's dtype."""
-    return lam.reshape(-1, *([1] * exponent.dim())) ** exponent.to(lam.dtype)
+def masked_product(weights: torch.Tensor, keep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``where(keep, weights, 0) @ x`` where the mask selects, the torch twin of
+    :func:`lightning_edu.numpy_reference.masked_product`. (Chapters 03, 06.)
+
+    A dense product meets every row of x with every output row, so a NaN in a later row of x would reach
+    earlier outputs through a 0 weight (0 x NaN = NaN). Non-finite entries of x are zeroed for the product
+    and exactly the outputs whose kept weights reach one of them are set to NaN. keep broadcasts against
+    weights (..., m, p); x is (..., p, d).
+    """
+    a = torch.where(keep, weights, 0.0)
+    bad = ~torch.isfinite(x)
+    if not bool(bad.any()):
+        return a @ x
+    reach = keep.to(x.dtype) @ bad.to(x.dtype)
+    return torch.where(reach > 0, torch.nan, a @ torch.where(bad, 0.0, x))
 
 
-def block_factors(b: int, lam: torch.Tensor):
+def _causal(b: int, device) -> torch.Tensor:
+    """The (b, b) boolean tile r >= s: which entries of M exist."""
+    return torch.ones(b, b, dtype=torch.bool, device=device).tril()
+
+
+def _powers(lam: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """lam[h] ** exponent[...] for integer exponents >= 0, shape (heads, *exponent.shape), rounded to ``dtype``.
+
+    The power is taken in float64 and rounded once at the end: a float32 lambda carries a relative error
+    of up to 6e-8, and lambda^64 formed from it up to 64 times that.
+    """
+    lam64 = lam.to(torch.float64).reshape(-1, *([1] * exponent.dim()))
+    return (lam64 ** exponent.to(torch.float64)).to(dtype)
+
+
+def block_factors(b: int, lam: torch.Tensor, dtype: torch.dtype | None = None):
     """Decay factors of one block of b rows, per head (lam: (heads,)). (Chapters 04 and 06.)
 
     Returns (M, q_scale, k_scale, block_decay) of shapes (heads, b, b), (heads, b, 1), (heads, b, 1),
-    (heads, 1, 1): the intra mask lambda^(r-s), lambda^(r+1), lambda^(b-1-r) and lambda^b, in lam's dtype.
+    (heads, 1, 1): the intra mask lambda^(r-s), lambda^(r+1), lambda^(b-1-r) and lambda^b, computed in
+    float64 and rounded to ``dtype`` (lam's dtype if None).
     """
+    dtype = lam.dtype if dtype is None else dtype
     r = torch.arange(b, device=lam.device)
     gap = r[:, None] - r[None, :]
-    mask = torch.where(gap >= 0, _powers(lam, gap.clamp(min=0)), 0.0)
-    q_scale = _powers(lam, (r + 1)[:, None])
-    k_scale = _powers(lam, (b - 1 - r)[:, None])
-    block_decay = _powers(lam, torch.full((1, 1), b, device=lam.device))
+    mask = torch.where(gap >= 0, _powers(lam, gap.clamp(min=0), dtype), 0.0)
+    q_scale = _powers(lam, (r + 1)[:, None], dtype)
+    k_scale = _powers(lam, (b - 1 - r)[:, None], dtype)
+    block_decay = _powers(lam, torch.full((1, 1), b, device=lam.device), dtype)
     return mask, q_scale, k_scale, block_decay
 
 
@@ -97,7 +132,7 @@ def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return x.reshape(batch, heads, n_blocks, block_size, d)
 
 
-def chunk_factors(n: int, block_size: int, lam: torch.Tensor):
+def chunk_factors(n: int, block_size: int, lam: torch.Tensor, dtype: torch.dtype | None = None):
     """Decay factors for all n/B blocks at once, the last block possibly short (b = n - (n_blocks-1) B rows).
 
     Returns (M, q_scale, k_scale, block_decay) of shapes (heads, 1, B, B), (heads, 1, B, 1),
@@ -105,24 +140,25 @@ def chunk_factors(n: int, block_size: int, lam: torch.Tensor):
     block_decay use each block's real length, lambda^(end-1-t) and lambda^(length), so the padded tail
     neither decays the final state nor shifts the last block's keys (padded rows get lambda^0, times k = 0).
     """
+    dtype = lam.dtype if dtype is None else dtype
     n_blocks = -(-n // block_size)
     device = lam.device
-    mask, q_scale, _, _ = block_factors(block_size, lam)
+    mask, q_scale, _, _ = block_factors(block_size, lam, dtype)
     starts = torch.arange(n_blocks, device=device) * block_size
     ends = torch.clamp(starts + block_size, max=n)  # one past each block's last real row
     t = starts[:, None] + torch.arange(block_size, device=device)[None, :]  # global row index (n_blocks, B)
-    k_scale = _powers(lam, (ends[:, None] - 1 - t).clamp(min=0))[..., None]
-    block_decay = _powers(lam, ends - starts)
+    k_scale = _powers(lam, (ends[:, None] - 1 - t).clamp(min=0), dtype)[..., None]
+    block_decay = _powers(lam, ends - starts, dtype)
     return mask[:, None], q_scale[:, None], k_scale, block_decay
 
 
 def intra_block_outputs(qb, kb, vb, mask):
-    """O_intra for every block in one batched matmul: [(Q_i K_i^T) * M] V_i.
+    """O_intra for every block in one batched matmul: [(Q_i K_i^T) * M] V_i, the mask selecting.
 
     qb, kb: (batch, heads, n_blocks, B, d_k); vb: (..., B, d_v); mask: (heads, 1, B, B).
     Returns (batch, heads, n_blocks, B, d_v).
     """
-    return ((qb @ kb.transpose(-1, -2)) * mask) @ vb
+    return masked_product((qb @ kb.transpose(-1, -2)) * mask, _causal(qb.shape[-2], qb.device), vb)
 
 
 def local_block_states(kb, vb, k_scale):
@@ -179,8 +215,8 @@ def _prepare(q, k, v, initial_state, decay, block_size):
     n = q.shape[2]
     dtype = compute_dtype(q.dtype)
     block = min(block_size or DEFAULT_BLOCK_SIZE, n)  # a block longer than the sequence only adds zeros
-    lam = decay_tensor(decay, q.device, dtype)
-    factors = chunk_factors(n, block, lam)
+    lam = decay_tensor(decay, q.device)  # float64: the factors are rounded to ``dtype`` once, at the end
+    factors = chunk_factors(n, block, lam, dtype)
     blocks = [to_blocks(x.to(dtype), block) for x in (q, k, v)]
     init = None if initial_state is None else initial_state.to(dtype)
     return n, block, dtype, factors, blocks, init
@@ -214,11 +250,13 @@ def _backward(q, k, v, do, initial_state, d_final_state, decay, block_size, scan
     d_final = None if d_final_state is None else d_final_state.to(dtype)
     d_states = scan_states(d_local.flip(2), block_decay.flip(1), d_final, scan).flip(2)
     d_after = d_states[:, :, 1:]  # G_(i+1): gradient of the state leaving block i
-    scores = (qb @ kb.transpose(-1, -2)) * mask  # [(Q_i K_i^T) * M]
+    scores = (qb @ kb.transpose(-1, -2)) * mask  # [(Q_i K_i^T) * M]; the zeros of M are selected below
     d_scores = (dob @ vb.transpose(-1, -2)) * mask  # [(dO_i V_i^T) * M]
-    dq = d_scores @ kb + q_scale * (dob @ states.transpose(-1, -2))
-    dk = d_scores.transpose(-1, -2) @ qb + k_scale * (vb @ d_after.transpose(-1, -2))
-    dv = scores.transpose(-1, -2) @ dob + k_scale * (kb @ d_after)
+    causal = _causal(block, q.device)
+    dq = masked_product(d_scores, causal, kb) + q_scale * (dob @ states.transpose(-1, -2))
+    # Transposed tiles: row s meets rows r >= s of the other operand.
+    dk = masked_product(d_scores.transpose(-1, -2), causal.T, qb) + k_scale * (vb @ d_after.transpose(-1, -2))
+    dv = masked_product(scores.transpose(-1, -2), causal.T, dob) + k_scale * (kb @ d_after)
 
     def unblock(x, d):
         return x.reshape(q.shape[0], q.shape[1], -1, d)[:, :, :n]
@@ -272,7 +310,8 @@ def chunked_backward(
     returned even without an initial state: it is then dL/dKV_0 for KV_0 = 0).
     """
     args = validate_attention_args(
-        q, k, v, decay, backend="torch", block_size=block_size, initial_state=initial_state, do=do, d_final_state=d_final_state
+        q, k, v, decay, backend="torch", block_size=block_size, initial_state=initial_state, do=do,
+        d_final_state=d_final_state, need_do=True,
     )
     validate_choice("scan", scan, SCANS)
     with torch.no_grad():
@@ -289,7 +328,7 @@ def loop_forward(q, k, v, decay=1.0, block_size: int | None = None, initial_stat
     args = validate_attention_args(q, k, v, decay, backend="torch", block_size=block_size, initial_state=initial_state)
     dtype = compute_dtype(q.dtype)
     block = args.block_size or DEFAULT_BLOCK_SIZE
-    lam = decay_tensor(args.decay, q.device, dtype)
+    lam = decay_tensor(args.decay, q.device)
     q, k, v = (x.to(dtype) for x in (args.q, args.k, args.v))
     kv = q.new_zeros(args.batch, args.heads, args.d_k, args.d_v)
     if initial_state is not None:
@@ -299,9 +338,9 @@ def loop_forward(q, k, v, decay=1.0, block_size: int | None = None, initial_stat
         qi, ki, vi = (x[:, :, start : start + block] for x in (q, k, v))
         b = qi.shape[2]
         if b not in factors:  # every block has the same factors except a shorter last one
-            factors[b] = block_factors(b, lam)
+            factors[b] = block_factors(b, lam, dtype)
         mask, q_scale, k_scale, block_decay = factors[b]
-        o_intra = ((qi @ ki.transpose(-1, -2)) * mask) @ vi
+        o_intra = masked_product((qi @ ki.transpose(-1, -2)) * mask, _causal(b, q.device), vi)
         o_inter = (q_scale * qi) @ kv
         kv = block_decay * kv + (k_scale * ki).transpose(-1, -2) @ vi
         outputs.append(o_intra + o_inter)
@@ -335,9 +374,9 @@ def masked_forward(q, k, v, decay=1.0):
     """
     args = validate_attention_args(q, k, v, decay, backend="torch")
     dtype = compute_dtype(q.dtype)
-    mask, _, _, _ = block_factors(args.seq_len, decay_tensor(args.decay, q.device, dtype))
+    mask, _, _, _ = block_factors(args.seq_len, decay_tensor(args.decay, q.device), dtype)
     q, k, v = (x.to(dtype) for x in (args.q, args.k, args.v))
-    return (((q @ k.transpose(-1, -2)) * mask) @ v).to(args.q.dtype)
+    return masked_product((q @ k.transpose(-1, -2)) * mask, _causal(args.seq_len, q.device), v).to(args.q.dtype)
 
 
 def forward_from_args(args):

@@ -95,11 +95,19 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay") ->
     torch tensor with one value per head.  With ``heads=None`` the number of values is not checked and a
     scalar gives an array of shape (1,).
     """
-    if isinstance(decay, bool):
-        raise TypeError(f"{name} must be a float in (0, 1] or one value per head, got bool {decay!r}")
+    if isinstance(decay, bool) or decay is None:
+        raise TypeError(f"{name} must be a float in (0, 1] or one value per head, got {type(decay).__name__} {decay!r}")
+    if isinstance(decay, np.ma.MaskedArray):
+        raise TypeError(f"{name} must be a plain array, got a numpy masked array (its mask would be ignored); use .filled()")
     if _kind(decay) == "torch":
         if not decay.is_floating_point():
             raise TypeError(f"{name} must hold floats in (0, 1], got a tensor of dtype {decay.dtype}")
+        if decay.requires_grad and _torch().is_grad_enabled():
+            # Detaching would drop dL/dlambda without a word; no backend computes it yet.
+            raise TypeError(
+                f"{name} requires grad, but no backend computes the gradient with respect to lambda; "
+                f"pass {name}.detach() (or a float) to treat lambda as a constant"
+            )
         values = decay.detach().to("cpu", dtype=_torch().float64).numpy()
     elif isinstance(decay, numbers.Real):
         values = np.asarray(float(decay), dtype=np.float64)
@@ -128,6 +136,8 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay") ->
 
 def _check_tensor(name: str, x: Any, kind: str | None) -> str:
     k = _kind(x)
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} must be a plain numpy array, got a numpy masked array (its mask would be ignored); use .filled()")
     if k is None:
         raise TypeError(f"{name} must be a numpy.ndarray or torch.Tensor, got {_describe(x)}")
     if kind is not None and k != kind:
@@ -138,7 +148,9 @@ def _check_tensor(name: str, x: Any, kind: str | None) -> str:
 
 
 def _resolve_backend(backend: Any, kind: str, q: Any, who: str | None = None) -> str:
-    if not isinstance(backend, str) or backend not in BACKENDS:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, one of {BACKENDS}, got {type(backend).__name__} {backend!r}")
+    if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         if kind == "numpy":
@@ -170,13 +182,17 @@ def validate_attention_args(
     do: Any = None,
     d_final_state: Any = None,
     who: str | None = None,
+    need_do: bool = False,
 ) -> AttentionArgs:
     """Check every argument of an attention call; return them normalised.
 
     Shapes: q, k (batch, heads, seq_len, d_k); v and do (batch, heads, seq_len, d_v);
     initial_state and d_final_state (batch, heads, d_k, d_v). d_k may differ from d_v.
     ``who`` names a numpy-only function (no ``backend`` argument) in the error for torch inputs.
+    ``need_do`` marks a backward call, where ``do`` = dL/do is required.
     """
+    if need_do and do is None:
+        raise TypeError("do (the gradient dL/do, shaped like the output o) is required for the backward pass, got None")
     kind = _check_tensor("q", q, None)
     _check_tensor("k", k, kind)
     _check_tensor("v", v, kind)

@@ -292,7 +292,7 @@ def test_decay_bool_array_and_tensor(name):
 
 
 @pytest.mark.parametrize("name", WITH_DECAY)
-@pytest.mark.parametrize("decay, given", [("0.5", r"str of dtype <U3"), (None, "NoneType of dtype object")])
+@pytest.mark.parametrize("decay, given", [("0.5", r"str of dtype <U3"), (None, "NoneType None")])
 def test_decay_not_a_number(name, decay, given):
     q, k, v = qkv()
     with pytest.raises(TypeError, match=rf"^decay must be a float in \(0, 1\] or one value per head, got {given}$"):
@@ -342,12 +342,77 @@ def test_validate_block_size_accepts_integers_and_none():
 
 
 @pytest.mark.parametrize("name", WITH_BACKEND)
-@pytest.mark.parametrize("backend, given", [("jax", "'jax'"), ("NUMPY", "'NUMPY'"), (None, "None"), (1, "1")])
+@pytest.mark.parametrize("backend, given", [("jax", "'jax'"), ("NUMPY", "'NUMPY'")])
 def test_unknown_backend(name, backend, given):
     q, k, v = qkv()
     pattern = rf"^backend must be one of \('auto', 'numpy', 'torch', 'triton'\), got {given}$"
     with pytest.raises(ValueError, match=pattern):
         call(name, q, k, v, backend=backend)
+
+
+@pytest.mark.parametrize("name", WITH_BACKEND)
+@pytest.mark.parametrize("backend, given", [(None, "NoneType None"), (3, "int 3"), (b"numpy", "bytes b'numpy'")])
+def test_backend_not_a_string(name, backend, given):
+    q, k, v = qkv()
+    pattern = rf"^backend must be a string, one of \('auto', 'numpy', 'torch', 'triton'\), got {given}$"
+    with pytest.raises(TypeError, match=pattern):
+        call(name, q, k, v, backend=backend)
+
+
+# ---------------------------------------------------------------- inputs the checks used to let through
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_masked_arrays_are_refused(name, which):
+    # np.asarray would silently drop the mask and compute with the hidden values.
+    args = dict(zip("qkv", qkv()))
+    args[which] = np.ma.masked_array(args[which], mask=np.zeros_like(args[which], dtype=bool))
+    with pytest.raises(TypeError, match=rf"^{which} must be a plain numpy array, got a numpy masked array .*\.filled\(\)$"):
+        call(name, args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("name", WITH_DO)
+def test_masked_do_and_decay_are_refused(name):
+    q, k, v = qkv()
+    do = np.ma.masked_array(np.ones((BATCH, HEADS, N, D_V)), mask=False)
+    with pytest.raises(TypeError, match=r"^do must be a plain numpy array, got a numpy masked array"):
+        call(name, q, k, v, do=do)
+    with pytest.raises(TypeError, match=r"^decay must be a plain array, got a numpy masked array"):
+        call(name, q, k, v, decay=np.ma.masked_array(np.full(HEADS, 0.5), mask=[0, 1, 0]))
+
+
+@pytest.mark.parametrize("call_backward, as_torch", [
+    (lambda q, k, v: lightning_attention_backward(q, k, v, None), False),
+    (lambda q, k, v: lightning_attention_backward(q, k, v, None, backend="torch"), True),
+    (lambda q, k, v: nb.blockwise_backward(q, k, v, None), False),
+], ids=["api-numpy", "api-torch", "blockwise_backward"])
+def test_backward_without_do(call_backward, as_torch):
+    q, k, v = qkv()
+    if as_torch:
+        q, k, v = (torch.from_numpy(x) for x in (q, k, v))
+    with pytest.raises(TypeError, match=r"^do \(the gradient dL/do, shaped like the output o\) is required .*, got None$"):
+        call_backward(q, k, v)
+
+
+def test_chunked_backward_without_do():
+    from lightning_edu import torch_chunked as tc
+
+    q, k, v = (torch.from_numpy(x) for x in qkv())
+    with pytest.raises(TypeError, match=r"^do \(the gradient dL/do, shaped like the output o\) is required"):
+        tc.chunked_backward(q, k, v, None)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decay_that_requires_grad_is_refused(backend):
+    # Detaching it would leave decay.grad at None while dL/dlambda is not 0: refuse instead.
+    q, k, v = (torch.from_numpy(x).float() for x in qkv(d_k=16, d_v=16))
+    decay = torch.full((HEADS,), 0.9, requires_grad=True)
+    with pytest.raises(TypeError, match=r"^decay requires grad, but no backend computes the gradient .*decay.detach\(\)"):
+        lightning_attention(q, k, v, decay, backend=backend)
+    with torch.no_grad():  # no graph is built, so nothing is dropped
+        lightning_attention(q, k, v, decay, backend=backend)
+    lightning_attention(q, k, v, decay.detach(), backend=backend)
 
 
 # ---------------------------------------------------------------- initial_state, do, d_final_state
