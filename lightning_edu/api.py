@@ -52,6 +52,16 @@ def lightning_attention(
     per head; initial_state: (batch, heads, d_k, d_v). ``backend`` is "numpy" (float64, numpy arrays),
     "torch", "triton" or "auto" (numpy for numpy arrays, triton for CUDA tensors, torch otherwise).
     Returns o (batch, heads, n, d_v), or (o, KV_n) with ``return_state=True``.
+
+    Non-finite inputs stay causal: an output is NaN or inf exactly when it depends on a NaN or inf input.
+    On a machine without CUDA the "triton" backend runs Triton's CPU interpreter, whose bfloat16
+    arithmetic is wrong: bfloat16 tensors are computed there in float32 and the output rounded to bfloat16.
+
+    Unsupported, each refused with a TypeError or ValueError that names the argument:
+    backend "numpy" with torch tensors, "torch"/"triton" with numpy arrays; "triton" with float64
+    (``tl.dot`` has no float64), with d_k or d_v > 256, with a block_size that is not a power of two >= 16,
+    or with CPU tensors when the interpreter is off; a decay tensor that requires grad (no backend computes
+    dL/dlambda yet); numpy masked arrays (the mask would be ignored).
     """
     args = validate_attention_args(
         q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state
@@ -77,7 +87,11 @@ def lightning_attention_backward(
     """Gradients (dq, dk, dv) of a loss L given ``do`` = dL/do, by the paper's Algorithm 2. (Chapter 05.)
 
     ``d_final_state`` is dL/dKV_n when the final state was used too; with ``return_state_grad=True`` the
-    result also carries dL/d initial_state: (dq, dk, dv, d_initial_state).
+    result also carries dL/d initial_state: (dq, dk, dv, d_initial_state). ``backend`` as in
+    :func:`lightning_attention` ("auto": numpy for numpy arrays, triton for CUDA tensors, torch otherwise).
+
+    Unsupported: everything :func:`lightning_attention` refuses, and ``do=None`` (a TypeError: the
+    backward needs dL/do).
     """
     args = validate_attention_args(
         q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state, do=do,

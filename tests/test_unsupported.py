@@ -1,0 +1,105 @@
+"""Every combination a public entry point's docstring calls unsupported is refused with a clear error.
+
+Each row: (entry point, the words its docstring uses for the combination, a call, the exception, the
+message). The docstring test keeps the table and the documentation in step: a combination documented
+but not tested, or tested but not documented, fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import lightning_edu as le
+
+
+def np_qkv(n=8, d_k=16, d_v=16):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((1, 2, n, d_k)), rng.standard_normal((1, 2, n, d_k)), rng.standard_normal((1, 2, n, d_v))
+
+
+def t_qkv(dtype=torch.float32, **kw):
+    return [torch.from_numpy(x).to(dtype) for x in np_qkv(**kw)]
+
+
+def _do(v):
+    return torch.ones_like(v) if isinstance(v, torch.Tensor) else np.ones_like(v)
+
+
+def _both(label, docs_word, build, exc, pattern):
+    """One combination, refused by lightning_attention and lightning_attention_backward alike."""
+    def fwd():
+        args, kwargs = build()
+        le.lightning_attention(*args, **kwargs)
+
+    def bwd():
+        args, kwargs = build()
+        q, k, v = args[:3]
+        le.lightning_attention_backward(q, k, v, _do(v), *args[3:], **kwargs)
+
+    return [("lightning_attention", label, docs_word, fwd, exc, pattern),
+            ("lightning_attention_backward", label, docs_word, bwd, exc, pattern)]
+
+
+def _masked():
+    q, k, v = np_qkv()
+    return (np.ma.masked_array(q, mask=False), k, v), {}
+
+
+def _requires_grad():
+    return (*t_qkv(), torch.full((2,), 0.5, requires_grad=True)), {"backend": "torch"}
+
+
+ROWS = (
+    _both("numpy backend, torch tensors", '"numpy" with torch tensors', lambda: ((*t_qkv(),), {"backend": "numpy"}),
+          TypeError, r"^backend='numpy' takes numpy arrays")
+    + _both("torch backend, numpy arrays", '"torch"/"triton" with numpy arrays', lambda: (np_qkv(), {"backend": "torch"}),
+            TypeError, r"^backend='torch' takes torch tensors")
+    + _both("triton backend, numpy arrays", '"torch"/"triton" with numpy arrays', lambda: (np_qkv(), {"backend": "triton"}),
+            TypeError, r"^backend='triton' takes torch tensors")
+    + _both("triton, float64", "with float64", lambda: ((*t_qkv(torch.float64),), {"backend": "triton"}),
+            TypeError, r"must be float32, float16 or bfloat16 .* got float64$")
+    + _both("triton, d > 256", "d_k or d_v > 256", lambda: ((*t_qkv(d_v=272),), {"backend": "triton"}),
+            ValueError, r"supports d_k, d_v <= 256 .* got d_k=16, d_v=272$")
+    + _both("triton, block 24", "not a power of two >= 16", lambda: ((*t_qkv(),), {"backend": "triton", "block_size": 24}),
+            ValueError, r"^block_size for backend='triton' must be a power of two >= 16")
+    + _both("triton, block 8", "not a power of two >= 16", lambda: ((*t_qkv(),), {"backend": "triton", "block_size": 8}),
+            ValueError, r"^block_size for backend='triton' must be a power of two >= 16")
+    + _both("decay requires grad", "requires grad", _requires_grad, TypeError, r"^decay requires grad")
+    + _both("masked array", "masked arrays", _masked, TypeError, r"^q must be a plain numpy array, got a numpy masked array")
+    + [("lightning_attention_backward", "do is None", "do=None",
+        lambda: le.lightning_attention_backward(*np_qkv(), None), TypeError, r"^do \(the gradient dL/do.*\) is required")]
+)
+
+
+@pytest.mark.parametrize("entry, label, docs_word, call, exc, pattern", ROWS, ids=[f"{r[0]}: {r[1]}" for r in ROWS])
+def test_unsupported_combination_is_refused(entry, label, docs_word, call, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+@pytest.mark.parametrize("entry", ["lightning_attention", "lightning_attention_backward"])
+def test_triton_backend_refused_on_cpu_without_the_interpreter(entry, monkeypatch):
+    # Triton reads TRITON_INTERPRET when a kernel is decorated; "0" here stands for a machine that never set it.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = t_qkv()
+    args = (q, k, v) if entry == "lightning_attention" else (q, k, v, _do(v))
+    with pytest.raises(ValueError, match=r"^backend='triton' needs CUDA tensors"):
+        getattr(le, entry)(*args, backend="triton")
+    assert "interpreter is off" in le.lightning_attention.__doc__
+
+
+def test_every_documented_combination_is_tested_and_every_tested_one_documented():
+    docs = {"lightning_attention": le.lightning_attention.__doc__,
+            "lightning_attention_backward": le.lightning_attention_backward.__doc__ + le.lightning_attention.__doc__}
+    for entry, label, docs_word, *_ in ROWS:
+        assert docs_word in " ".join(docs[entry].split()), f"{entry}: the docstring does not mention {docs_word!r} ({label})"
+    # The forward's "Unsupported" paragraph names exactly these; each appears in some row above.
+    documented = ['"numpy" with torch tensors', '"torch"/"triton" with numpy arrays', "with float64", "d_k or d_v > 256",
+                  "not a power of two >= 16", "interpreter is off", "requires grad", "masked arrays"]
+    paragraph = " ".join(le.lightning_attention.__doc__.split("Unsupported")[1].split())
+    for phrase in documented:
+        assert phrase in paragraph
+    tested = {r[2] for r in ROWS} | {"interpreter is off"}
+    assert set(documented) <= tested
