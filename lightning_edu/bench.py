@@ -3,8 +3,7 @@
     python -m lightning_edu.bench --out bench.json                   # the chapter 07-08 table
     python -m lightning_edu.bench --tune --out tune.json             # tile sweep of the la2_fast kernels
 
-For every sequence length T and head dim D (H heads, bf16, T * batch = 32K tokens per call, as in
-../shared/PERF.md) and every method, it reports the forward and forward+backward time (median of
+For every sequence length T and head dim D (H heads, bf16, T * batch = 32K tokens per call) and every method, it reports the forward and forward+backward time (median of
 ``triton.testing.do_bench``), tokens/s, peak extra memory and the fraction of the HBM floor: the bytes
 that must move (q, k, v in and o out for the forward; q, k, v, do in and dq, dk, dv out for the backward)
 over the device-to-device copy bandwidth measured in the same run. It refuses to time under Triton's CPU

@@ -9,7 +9,7 @@ from lightning_edu import bench
 
 
 def test_hbm_floor_counts_four_tensors_forward_and_seven_backward():
-    # 16 x 2048 x 16 x 128 bf16 elements per tensor = 128 MiB (../shared/PERF.md's shape at T = 2K)
+    # 16 x 2048 x 16 x 128 bf16 elements per tensor = 128 MiB (the benchmark's shape at T = 2K)
     assert bench.hbm_floor_bytes(16, 2048, 16, 128) == 4 * 2**27
     assert bench.hbm_floor_bytes(16, 2048, 16, 128, backward=True) == 7 * 2**27
 

@@ -1,4 +1,4 @@
-"""Every chapter follows the book's notebook format (rules 1, 2, 4 and 5 of the authors' brief).
+"""Every chapter follows the book's notebook format (the book's notebook format).
 
 Tests are parametrised per chapter of book.toml: a missing notebook fails once, in
 ``test_notebook_exists``, and its other format tests are skipped with a pointer to that failure.
