@@ -1,19 +1,24 @@
 """lightning_edu: the companion package of *Lightning Attention, from the Math to the Kernel*.
 
-The ladder, one module per rung (each checked against the rung below):
+The interface: :func:`lightning_attention` and :func:`lightning_attention_backward` (:mod:`.api`), every
+argument check in one place (:mod:`.validation`), and every implementation registered once with what it
+supports and what it is checked against (:mod:`.registry`).
 
-* :mod:`~lightning_edu.numpy_reference` -- float64 references closest to the math (chapters 01-03)
-* :mod:`~lightning_edu.numpy_blockwise` -- the paper's Algorithms 1-2 in numpy (chapters 04-05)
-* :mod:`~lightning_edu.torch_chunked`   -- vectorised PyTorch with a hand-written backward (chapter 06)
-* :mod:`~lightning_edu.triton_kernels`  -- IO-aware Triton GPU kernels (chapters 07-08)
+The ladder, one module per rung, each checked against the rung below:
 
-Side tools: :mod:`~lightning_edu.validation` (every argument check), :mod:`~lightning_edu.checks`
-(comparisons), :mod:`~lightning_edu.errata` (the seeds' equations as printed, run against autograd),
-:mod:`~lightning_edu.costs` (analytic cost model), :mod:`~lightning_edu.decay_view` and
-:mod:`~lightning_edu.explorer` (widgets with static twins), :mod:`~lightning_edu.plots`,
-:mod:`~lightning_edu.measure` (CPU timing and memory), :mod:`~lightning_edu.torch_sweep` and
-:mod:`~lightning_edu.bench` (CPU/GPU sweeps), :mod:`~lightning_edu.book` (table of contents, notebook
-helpers), and :mod:`~lightning_edu.exercises` (one checker module per chapter).
+* :mod:`.numpy_reference` -- float64 references closest to the math (chapters 01-03)
+* :mod:`.numpy_blockwise` -- the paper's Algorithms 1-2 in numpy (chapters 04-05)
+* :mod:`.torch_chunked`   -- vectorised PyTorch with a hand-written backward (chapter 06)
+* :mod:`.triton_kernels`  -- IO-aware Triton GPU kernels (chapters 07-08)
+
+Trust: :mod:`.checks` (comparisons, the ``cmp`` table), :mod:`.precision` (the error bound of every
+backend and dtype), :mod:`.errata` (the printed equations of the Lightning Attention-2 paper and the LA-3
+design note, run against autograd).
+
+Side tools, in two packages: :mod:`.book` (table of contents, notebook helpers, :mod:`.book.plots`, the
+widgets :mod:`.book.decay_view` and :mod:`.book.explorer`) and :mod:`.perf` (:mod:`.perf.costs`,
+:mod:`.perf.measure`, :mod:`.perf.torch_sweep`, :mod:`.perf.bench`, :mod:`.perf.environment`); and
+:mod:`.exercises`, one checker module per chapter.
 """
 
 from __future__ import annotations

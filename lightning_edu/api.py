@@ -1,35 +1,23 @@
 """The public entry points: one function for the forward pass, one for the backward pass.
 
-Both validate every argument in :mod:`lightning_edu.validation` and hand the normalised arguments to a
-backend module, which defines ``forward_from_args(args) -> (o, final_state)`` and
-``backward_from_args(args, d_final_state) -> (dq, dk, dv, d_initial_state)``:
+Both validate every argument in :mod:`lightning_edu.validation`, then run the backend implementation of
+the chosen rung from :mod:`lightning_edu.registry` on the checked arguments:
 
 ========  ==========================================  ==========
-backend   module                                      chapter
+backend   implementation                              chapter
 ========  ==========================================  ==========
-numpy     :mod:`lightning_edu.numpy_blockwise`        04-05
-torch     :mod:`lightning_edu.torch_chunked`          06
-triton    :mod:`lightning_edu.triton_kernels`         07-08
+numpy     ``numpy.blockwise`` (Algorithms 1-2)        04-05
+torch     ``torch.chunked`` (hand-written backward)   06
+triton    ``triton.la2_fast`` (Triton kernels)        07-08
 ========  ==========================================  ==========
 """
 
 from __future__ import annotations
 
-import importlib
-
-from .validation import AttentionArgs, validate_attention_args, validate_flag
+from . import registry
+from .validation import validate_attention_args, validate_flag
 
 __all__ = ["lightning_attention", "lightning_attention_backward"]
-
-_MODULES = {
-    "numpy": "lightning_edu.numpy_blockwise",
-    "torch": "lightning_edu.torch_chunked",
-    "triton": "lightning_edu.triton_kernels",
-}
-
-
-def _backend(args: AttentionArgs):
-    return importlib.import_module(_MODULES[args.backend])
 
 
 def lightning_attention(
@@ -67,7 +55,7 @@ def lightning_attention(
         q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state
     )
     return_state = validate_flag("return_state", return_state)
-    out, state = _backend(args).forward_from_args(args)
+    out, state = registry.backend_for(args.backend).forward(args)
     return (out, state) if return_state else out
 
 
@@ -98,5 +86,5 @@ def lightning_attention_backward(
         d_final_state=d_final_state, need_do=True,
     )
     return_state_grad = validate_flag("return_state_grad", return_state_grad)
-    dq, dk, dv, d_state = _backend(args).backward_from_args(args, d_final_state)
+    dq, dk, dv, d_state = registry.backend_for(args.backend).backward(args, d_final_state)
     return (dq, dk, dv, d_state) if return_state_grad else (dq, dk, dv)

@@ -20,7 +20,8 @@ import numpy as np
 from .numpy_reference import decay_mask, masked_product
 from .validation import validate_attention_args
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "block_factors", "block_slices", "blockwise_forward", "blockwise_backward"]
+__all__ = ["DEFAULT_BLOCK_SIZE", "block_factors", "block_slices", "blockwise_forward", "blockwise_backward", "algorithm1",
+           "algorithm2"]
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -46,53 +47,67 @@ def block_slices(n: int, block_size: int) -> list[slice]:
     return [slice(start, min(start + block_size, n)) for start in range(0, n, block_size)]
 
 
-def _prepare(q, k, v, decay, block_size, initial_state, do=None, d_final_state=None, who=None, need_do=False):
-    args = validate_attention_args(
-        q, k, v, decay, backend="numpy", block_size=block_size, initial_state=initial_state, do=do,
-        d_final_state=d_final_state, who=who, need_do=need_do,
-    )
-    block = args.block_size or DEFAULT_BLOCK_SIZE
-    arrays = [np.asarray(x, dtype=np.float64) for x in (args.q, args.k, args.v)]
-    state = np.zeros((args.batch, args.heads, args.d_k, args.d_v))
-    if initial_state is not None:
-        state = np.array(initial_state, dtype=np.float64)
-    return args, block, arrays, state
-
-
 def blockwise_forward(q, k, v, decay=1.0, block_size: int | None = None, initial_state=None):
     """Algorithm 1: o = causal decayed linear attention, computed block by block. (Chapter 04.)
 
+    Checks the arguments, then runs :func:`algorithm1`. Returns (o, KV_final); o has shape
+    (batch, heads, n, d_v), KV (batch, heads, d_k, d_v).
+    """
+    args = validate_attention_args(q, k, v, decay, backend="numpy", block_size=block_size,
+                                   initial_state=initial_state, who="blockwise_forward")
+    return algorithm1(args)
+
+
+def blockwise_backward(q, k, v, do, decay=1.0, block_size: int | None = None, initial_state=None, d_final_state=None):
+    """Algorithm 2: gradients of L with dL/do = ``do``, block by block. (Chapter 05.)
+
+    ``d_final_state`` is the gradient flowing into the returned final state (zeros if None). Checks the
+    arguments, then runs :func:`algorithm2`. Returns (dq, dk, dv, d_initial_state).
+    """
+    args = validate_attention_args(q, k, v, decay, backend="numpy", block_size=block_size, initial_state=initial_state,
+                                   do=do, d_final_state=d_final_state, who="blockwise_backward", need_do=True)
+    return algorithm2(args, d_final_state)
+
+
+def _float64(args):
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (args.q, args.k, args.v))
+    state = np.zeros((args.batch, args.heads, args.d_k, args.d_v))
+    if args.initial_state is not None:
+        state = np.array(args.initial_state, dtype=np.float64)
+    return q, k, v, state
+
+
+def algorithm1(args, **options):
+    """Algorithm 1 on checked arguments (an :class:`~lightning_edu.validation.AttentionArgs`). (Chapter 04.)
+
     Per block i (rows b): O_i = [(Q_i K_i^T) * M] V_i  +  diag(lambda^(r+1)) Q_i KV      (intra + inter)
                           KV  = lambda^b KV  +  (diag(lambda^(b-1-r)) K_i)^T V_i          (state update)
-    Returns (o, KV_final); o has shape (batch, heads, n, d_v), KV (batch, heads, d_k, d_v).
+    The mask M selects the causal entries (:func:`~lightning_edu.numpy_reference.masked_product`): it is
+    never multiplied in as zeros, so a NaN at a later token cannot reach an earlier row. Returns (o, KV).
     """
-    args, block, (q, k, v), kv = _prepare(q, k, v, decay, block_size, initial_state, who="blockwise_forward")
+    q, k, v, kv = _float64(args)
     out = np.empty((args.batch, args.heads, args.seq_len, args.d_v))
-    for rows in block_slices(args.seq_len, block):
+    for rows in block_slices(args.seq_len, args.block_size or DEFAULT_BLOCK_SIZE):
         qi, ki, vi = q[:, :, rows], k[:, :, rows], v[:, :, rows]
         mask, q_scale, k_scale, block_decay = block_factors(qi.shape[2], args.decay)
-        keep = _causal(qi.shape[2])
-        intra = masked_product((qi @ ki.swapaxes(-1, -2)) * mask, keep, vi)
+        intra = masked_product((qi @ ki.swapaxes(-1, -2)) * mask, _causal(qi.shape[2]), vi)
         inter = (q_scale * qi) @ kv
         out[:, :, rows] = intra + inter
         kv = block_decay * kv + (k_scale * ki).swapaxes(-1, -2) @ vi
     return out, kv
 
 
-def blockwise_backward(q, k, v, do, decay=1.0, block_size: int | None = None, initial_state=None, d_final_state=None):
-    """Algorithm 2: gradients of L with dL/do = ``do``, block by block. (Chapter 05.)
+def algorithm2(args, d_final_state=None, **options):
+    """Algorithm 2 on checked arguments, with dL/do = ``args.do``. (Chapter 05.)
 
     dQ by a forward sweep that rebuilds the state KV; dK and dV by a reverse sweep over dKV, where
     dKV after block i is d L / d KV_i = sum over later tokens s of lambda^(s - end of block i) q_s^T do_s.
-    ``d_final_state`` is the gradient flowing into the returned final state (zeros if None): it seeds dKV.
-    Returns (dq, dk, dv, d_initial_state).
+    ``d_final_state`` seeds dKV (zeros if None). Returns (dq, dk, dv, d_initial_state).
     """
-    args, block, (q, k, v), kv = _prepare(
-        q, k, v, decay, block_size, initial_state, do, d_final_state, "blockwise_backward", need_do=True
-    )
-    do = np.asarray(do, dtype=np.float64)
+    q, k, v, kv = _float64(args)
+    do = np.asarray(args.do, dtype=np.float64)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
-    blocks = block_slices(args.seq_len, block)
+    blocks = block_slices(args.seq_len, args.block_size or DEFAULT_BLOCK_SIZE)
     for rows in blocks:  # forward sweep: dQ_i = [(dO_i V_i^T) * M] K_i + diag(lambda^(r+1)) dO_i KV^T
         qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v[:, :, rows], do[:, :, rows]
         mask, q_scale, k_scale, block_decay = block_factors(qi.shape[2], args.decay)
@@ -108,13 +123,3 @@ def blockwise_backward(q, k, v, do, decay=1.0, block_size: int | None = None, in
         dv[:, :, rows] = masked_product(((qi @ ki.swapaxes(-1, -2)) * mask).swapaxes(-1, -2), later, doi) + k_scale * (ki @ dkv)
         dkv = block_decay * dkv + (q_scale * qi).swapaxes(-1, -2) @ doi
     return dq, dk, dv, dkv
-
-
-def forward_from_args(args):
-    """Backend hook for :func:`lightning_edu.lightning_attention`."""
-    return blockwise_forward(args.q, args.k, args.v, args.decay, args.block_size, args.initial_state)
-
-
-def backward_from_args(args, d_final_state=None):
-    """Backend hook for :func:`lightning_edu.lightning_attention_backward`."""
-    return blockwise_backward(args.q, args.k, args.v, args.do, args.decay, args.block_size, args.initial_state, d_final_state)

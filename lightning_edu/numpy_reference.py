@@ -116,6 +116,7 @@ def causal_linear_recurrent(q, k, v, decay=1.0, *, initial_state=None, return_st
     This Python loop over t is the ground truth every other implementation is tested against.
     """
     args, q, k, v = _checked(q, k, v, decay, initial_state, who="causal_linear_recurrent")
+    return_state = validate_flag("return_state", return_state)
     lam = args.decay[None, :, None, None]
     state = np.zeros((args.batch, args.heads, args.d_k, args.d_v))
     if initial_state is not None:
@@ -147,3 +148,18 @@ def causal_linear_cumsum(q, k, v, decay=1.0) -> np.ndarray:
             states[:, :, step:] = states[:, :, step:] + shifted
             step *= 2
     return np.einsum("bhtk,bhtkv->bhtv", q, states)
+
+
+# Registry hooks (lightning_edu.registry): (o, final_state or None) for validated arguments. These
+# references are not on any fast path, so they simply call the functions above.
+
+def recurrent_from_args(args, **options):
+    return causal_linear_recurrent(args.q, args.k, args.v, args.decay, initial_state=args.initial_state, return_state=True)
+
+
+def masked_from_args(args, **options):
+    return causal_linear_masked(args.q, args.k, args.v, args.decay), None
+
+
+def cumsum_from_args(args, **options):
+    return causal_linear_cumsum(args.q, args.k, args.v, args.decay), None

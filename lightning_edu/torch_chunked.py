@@ -6,9 +6,11 @@ The same function as every rung (per batch and head, ``KV_t = lambda KV_{t-1} + 
 * :func:`recurrent_forward` -- one token at a time: n sequential steps, the benchmark's baseline;
 * :func:`loop_forward` -- the literal port of Algorithm 1: a Python loop over the n/B blocks;
 * :func:`chunked_forward` -- chunk-parallel: every block's intra part, local state and inter part is one
-  batched matmul over all blocks at once; only the scan over n/B block states is sequential (or
-  log-depth with ``scan="log"``). Its backward is Algorithm 2 in the same style, written by hand
-  (:class:`LightningAttentionFunction`), not autograd through the forward.
+  batched matmul over many blocks at once; only the scan over n/B block states is sequential (or
+  log-depth with ``scan="log"``). On a GPU that is all blocks at once; on a CPU cache-sized groups of
+  blocks, one group after the other, the state carried between them (:func:`blocks_per_group` says why).
+  Its backward is Algorithm 2 in the same style, written by hand (:class:`LightningAttentionFunction`),
+  not autograd through the forward.
 
 Notation as in :mod:`lightning_edu.numpy_blockwise`: rows of a block are r = 0..B-1; M[r, s] =
 lambda^(r-s) (r >= s); q_r meets the carried-in state with lambda^(r+1); k_r enters the block's state
@@ -53,6 +55,9 @@ __all__ = [
     "LightningAttentionFunction",
     "forward_from_args",
     "backward_from_args",
+    "loop_from_args",
+    "recurrent_from_args",
+    "masked_from_args",
 ]
 
 DEFAULT_BLOCK_SIZE = 64
@@ -79,7 +84,9 @@ def masked_product(weights: torch.Tensor, keep: torch.Tensor, x: torch.Tensor) -
     weights (..., m, p); x is (..., p, d).
     """
     a = torch.where(keep, weights, 0.0)
-    bad = ~torch.isfinite(x)
+    if bool(torch.isfinite(x.sum())):  # the common case, in one cheap pass: a NaN or inf in x makes its sum NaN or inf
+        return a @ x
+    bad = ~torch.isfinite(x)  # (a sum can also overflow with every entry finite: then the entries decide)
     if not bool(bad.any()):
         return a @ x
     reach = keep.to(x.dtype) @ bad.to(x.dtype)
@@ -210,6 +217,36 @@ def inter_block_outputs(qb, states, q_scale):
     return (q_scale * qb) @ states
 
 
+GROUP_BYTES_PER_THREAD = 512 * 1024  # about one core's L2 cache
+
+
+def blocks_per_group(batch: int, heads: int, block: int, n_blocks: int, device, itemsize: int = 4) -> int:
+    """How many blocks the forward and backward take at a time: all n/B blocks on a GPU; on a CPU as many
+    as keep one group's B x B scores, batch x heads x G x B x B numbers, within ``GROUP_BYTES_PER_THREAD``
+    per torch thread (each thread works on its own share of a batched operation).
+
+    Why groups: cache. The all-at-once form makes every block's scores (nB numbers per head: 16 MiB at
+    n = 16K and 4 heads in float32), its local states and the scanned states (n/B of d_k x d_v: as big as
+    Q itself when B = d) and passes over each of them several times; on a CPU those passes stream the
+    tensors through main memory, and that, not the arithmetic, sets the time. A group's tensors stay in
+    the cores' caches between the operations that make and use them, as the loop's single block does,
+    while each operation still covers many blocks (few operations launched). A GPU launches a kernel per
+    operation and tiles each matmul in its own on-chip memory: there, one group is fastest.
+    """
+    if torch.device(device).type != "cpu":
+        return n_blocks
+    budget = GROUP_BYTES_PER_THREAD * torch.get_num_threads()
+    return max(1, min(n_blocks, budget // (batch * heads * block * block * itemsize)))
+
+
+def block_groups(xb: torch.Tensor):
+    """Slices of the block axis of xb (batch, heads, n_blocks, B, d), consecutive groups of
+    :func:`blocks_per_group` blocks: ``for g in block_groups(qb): ... qb[:, :, g] ...``."""
+    batch, heads, n_blocks, block, _ = xb.shape
+    size = blocks_per_group(batch, heads, block, n_blocks, xb.device, xb.element_size())
+    return [slice(start, start + size) for start in range(0, n_blocks, size)]
+
+
 def _prepare(q, k, v, initial_state, decay, block_size):
     """Cast to the compute dtype, cut into blocks, build the factors. Shared by forward and backward."""
     n = q.shape[2]
@@ -223,45 +260,67 @@ def _prepare(q, k, v, initial_state, decay, block_size):
 
 
 def _forward(q, k, v, initial_state, decay, block_size, scan):
-    n, block, dtype, (mask, q_scale, k_scale, block_decay), (qb, kb, vb), init = _prepare(
+    """Algorithm 1, chunk-parallel within each group of blocks, sequential across groups (one group on a GPU).
+
+    Per group (:func:`block_groups`): its local states in one batched matmul, scanned from the state
+    carried in, then its intra and inter parts in one batched matmul each. With one block per group this
+    is :func:`loop_forward`; with all n/B blocks in one group it is the all-at-once form of transformations
+    3 to 5, which is what runs on a GPU. On a CPU groups of a cache's size are faster than either.
+    """
+    n, block, dtype, (mask, q_scale, k_scale, block_decay), (qb, kb, vb), state = _prepare(
         q, k, v, initial_state, decay, block_size
     )
-    states = scan_states(local_block_states(kb, vb, k_scale), block_decay, init, scan)
-    entering = states[:, :, :-1].contiguous()  # a contiguous copy lets matmul fold all blocks into one bmm
-    ob = intra_block_outputs(qb, kb, vb, mask) + inter_block_outputs(qb, entering, q_scale)
+    ob = vb.new_empty(vb.shape)  # (batch, heads, n_blocks, B, d_v), filled one group of blocks at a time
+    for g in block_groups(qb):
+        local = local_block_states(kb[:, :, g], vb[:, :, g], k_scale[:, g])
+        states = scan_states(local, block_decay[:, g], state, scan)  # entering each block of g, and leaving g
+        ob[:, :, g] = intra_block_outputs(qb[:, :, g], kb[:, :, g], vb[:, :, g], mask) + inter_block_outputs(
+            qb[:, :, g], states[:, :, :-1], q_scale
+        )
+        state = states[:, :, -1]
     o = ob.reshape(q.shape[0], q.shape[1], -1, v.shape[3])[:, :, :n]
-    return o.to(q.dtype), states[:, :, -1].clone()  # a view would keep all n/B + 1 states alive
+    return o.to(q.dtype), state.clone()  # a view would keep the last group's states alive
 
 
 def _backward(q, k, v, do, initial_state, d_final_state, decay, block_size, scan):
-    """Algorithm 2, chunk-parallel. Returns (dq, dk, dv, d_initial_state) in the compute dtype.
+    """Algorithm 2, chunk-parallel within each group of blocks (:func:`block_groups`). Returns
+    (dq, dk, dv, d_initial_state) in the compute dtype.
 
-    Forward part: the states S_i entering each block are rebuilt by the same scan as the forward
-    (recomputed, not stored: the memory stays that of the forward). Reverse part: G_i = dL/dS_i obeys
-    G_n_blocks = d_final_state, G_i = lambda^(b_i) G_(i+1) + (diag(lambda^(r+1)) Q_i)^T dO_i, the same
-    scan run over the reversed blocks.
+    Forward sweep, first group to last: the states S_i entering each block are rebuilt by the same scan as
+    the forward (recomputed, not stored by the forward: the memory stays that of the forward). Reverse sweep,
+    last group to first: G_i = dL/dS_i obeys G_n_blocks = d_final_state,
+    G_i = lambda^(b_i) G_(i+1) + (diag(lambda^(r+1)) Q_i)^T dO_i, the same scan run over the reversed blocks;
+    each group's gradients follow from its S_i and G_(i+1).
     """
-    n, block, dtype, (mask, q_scale, k_scale, block_decay), (qb, kb, vb), init = _prepare(
+    n, block, dtype, (mask, q_scale, k_scale, block_decay), (qb, kb, vb), state = _prepare(
         q, k, v, initial_state, decay, block_size
     )
     dob = to_blocks(do.to(dtype), block)
-    states = scan_states(local_block_states(kb, vb, k_scale), block_decay, init, scan)[:, :, :-1]
-    d_local = (q_scale * qb).transpose(-1, -2) @ dob  # (batch, heads, n_blocks, d_k, d_v)
-    d_final = None if d_final_state is None else d_final_state.to(dtype)
-    d_states = scan_states(d_local.flip(2), block_decay.flip(1), d_final, scan).flip(2)
-    d_after = d_states[:, :, 1:]  # G_(i+1): gradient of the state leaving block i
-    scores = (qb @ kb.transpose(-1, -2)) * mask  # [(Q_i K_i^T) * M]; the zeros of M are selected below
-    d_scores = (dob @ vb.transpose(-1, -2)) * mask  # [(dO_i V_i^T) * M]
+    groups = block_groups(qb)
+    states = vb.new_empty(*kb.shape[:3], kb.shape[4], vb.shape[4])  # S_i, entering each block
+    for g in groups:  # forward sweep, as in _forward
+        scanned = scan_states(local_block_states(kb[:, :, g], vb[:, :, g], k_scale[:, g]), block_decay[:, g], state, scan)
+        states[:, :, g] = scanned[:, :, :-1]
+        state = scanned[:, :, -1]
+    grad = None if d_final_state is None else d_final_state.to(dtype)  # G after the last block (None: zeros)
+    dqb, dkb, dvb = qb.new_empty(qb.shape), kb.new_empty(kb.shape), vb.new_empty(vb.shape)
     causal = _causal(block, q.device)
-    dq = masked_product(d_scores, causal, kb) + q_scale * (dob @ states.transpose(-1, -2))
-    # Transposed tiles: row s meets rows r >= s of the other operand.
-    dk = masked_product(d_scores.transpose(-1, -2), causal.T, qb) + k_scale * (vb @ d_after.transpose(-1, -2))
-    dv = masked_product(scores.transpose(-1, -2), causal.T, dob) + k_scale * (kb @ d_after)
+    for g in reversed(groups):  # reverse sweep; qi etc. hold the blocks of group g
+        qi, ki, vi, doi, si, ks = qb[:, :, g], kb[:, :, g], vb[:, :, g], dob[:, :, g], states[:, :, g], k_scale[:, g]
+        d_local = (q_scale * qi).transpose(-1, -2) @ doi  # (batch, heads, blocks of g, d_k, d_v)
+        d_states = scan_states(d_local.flip(2), block_decay[:, g].flip(1), grad, scan).flip(2)
+        d_after, grad = d_states[:, :, 1:], d_states[:, :, 0]  # G_(i+1) for each block of g; G entering g
+        scores = (qi @ ki.transpose(-1, -2)) * mask  # [(Q_i K_i^T) * M]; the zeros of M are selected below
+        d_scores = (doi @ vi.transpose(-1, -2)) * mask  # [(dO_i V_i^T) * M]
+        dqb[:, :, g] = masked_product(d_scores, causal, ki) + q_scale * (doi @ si.transpose(-1, -2))
+        # Transposed tiles: row s meets rows r >= s of the other operand.
+        dkb[:, :, g] = masked_product(d_scores.transpose(-1, -2), causal.T, qi) + ks * (vi @ d_after.transpose(-1, -2))
+        dvb[:, :, g] = masked_product(scores.transpose(-1, -2), causal.T, doi) + ks * (ki @ d_after)
 
     def unblock(x, d):
         return x.reshape(q.shape[0], q.shape[1], -1, d)[:, :, :n]
 
-    return unblock(dq, q.shape[3]), unblock(dk, k.shape[3]), unblock(dv, v.shape[3]), d_states[:, :, 0]
+    return unblock(dqb, q.shape[3]), unblock(dkb, k.shape[3]), unblock(dvb, v.shape[3]), grad
 
 
 class LightningAttentionFunction(torch.autograd.Function):
@@ -293,7 +352,8 @@ def chunked_forward(q, k, v, decay=1.0, block_size: int | None = None, initial_s
     q, k: (batch, heads, n, d_k); v: (batch, heads, n, d_v); decay: lambda in (0, 1], one float or one
     per head; initial_state: (batch, heads, d_k, d_v) or None; any n, any block size (default 64).
     Returns (o, final_state): o (batch, heads, n, d_v) in q's dtype, final_state (batch, heads, d_k, d_v)
-    in the compute dtype. Memory: the n/B + 1 block states, each d_k x d_v, plus the (n/B, B, B) scores.
+    in the compute dtype. Memory, per group of G blocks (:func:`blocks_per_group`; G = n/B on a GPU): G + 1
+    block states, each d_k x d_v, plus the (G, B, B) scores; the backward keeps all n/B states.
     """
     args = validate_attention_args(q, k, v, decay, backend="torch", block_size=block_size, initial_state=initial_state)
     validate_choice("scan", scan, SCANS)
@@ -313,17 +373,16 @@ def chunked_backward(
         q, k, v, decay, backend="torch", block_size=block_size, initial_state=initial_state, do=do,
         d_final_state=d_final_state, need_do=True,
     )
-    validate_choice("scan", scan, SCANS)
-    with torch.no_grad():
-        dq, dk, dv, d_init = _backward(args.q, args.k, args.v, args.do, args.initial_state, d_final_state, args.decay, args.block_size, scan)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_init
+    return backward_from_args(args, d_final_state, validate_choice("scan", scan, SCANS))
 
 
 def loop_forward(q, k, v, decay=1.0, block_size: int | None = None, initial_state=None):
     """Algorithm 1 ported line by line: a Python loop over the blocks, torch ops inside. (Chapter 06.)
 
     Same arguments and results as :func:`chunked_forward`; differentiable by plain autograd (it keeps
-    every block's intermediate tensors, which is what the hand-written backward avoids).
+    every block's intermediate tensors, which is what the hand-written backward avoids). Autograd's own
+    backward of a dense product multiplies masked zeros too, so with NaN or inf inputs only the forward here
+    is exactly causal; the hand-written backward of :func:`chunked_forward` is exact for those as well.
     """
     args = validate_attention_args(q, k, v, decay, backend="torch", block_size=block_size, initial_state=initial_state)
     dtype = compute_dtype(q.dtype)
@@ -379,11 +438,28 @@ def masked_forward(q, k, v, decay=1.0):
     return masked_product((q @ k.transpose(-1, -2)) * mask, _causal(args.seq_len, q.device), v).to(args.q.dtype)
 
 
-def forward_from_args(args):
-    """Backend hook for :func:`lightning_edu.lightning_attention`: the chunk-parallel differentiable form."""
-    return LightningAttentionFunction.apply(args.q, args.k, args.v, args.initial_state, args.decay, args.block_size, "sequential")
+# Registry hooks (lightning_edu.registry): validated arguments in, (o, final_state or None) out.
+
+def forward_from_args(args, scan: str = "sequential", **options):
+    """The chunk-parallel differentiable form: the torch backend of :func:`lightning_edu.lightning_attention`."""
+    return LightningAttentionFunction.apply(args.q, args.k, args.v, args.initial_state, args.decay, args.block_size, scan)
 
 
-def backward_from_args(args, d_final_state=None):
-    """Backend hook for :func:`lightning_edu.lightning_attention_backward`."""
-    return chunked_backward(args.q, args.k, args.v, args.do, args.decay, args.block_size, args.initial_state, d_final_state)
+def backward_from_args(args, d_final_state=None, scan: str = "sequential", **options):
+    """The hand-written Algorithm 2: (dq, dk, dv, d_initial_state) in the dtypes of q, k, v and the compute dtype."""
+    with torch.no_grad():
+        dq, dk, dv, d_init = _backward(args.q, args.k, args.v, args.do, args.initial_state, d_final_state, args.decay,
+                                       args.block_size, scan)
+    return dq.to(args.q.dtype), dk.to(args.k.dtype), dv.to(args.v.dtype), d_init
+
+
+def loop_from_args(args, **options):
+    return loop_forward(args.q, args.k, args.v, args.decay, args.block_size, args.initial_state)
+
+
+def recurrent_from_args(args, **options):
+    return recurrent_forward(args.q, args.k, args.v, args.decay, args.initial_state)
+
+
+def masked_from_args(args, **options):
+    return masked_forward(args.q, args.k, args.v, args.decay), None

@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from lightning_edu import bench
+from lightning_edu.perf import bench
 
 
 def test_hbm_floor_counts_four_tensors_forward_and_seven_backward():

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from lightning_edu.decay_view import DECAY_CHOICES, decay_explorer, effective_context, render_decay_view
+from lightning_edu.book.decay_view import DECAY_CHOICES, decay_explorer, effective_context, render_decay_view
 from lightning_edu.numpy_reference import decay_mask
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from lightning_edu import explorer as ex
-from lightning_edu.costs import attention_cost
+from lightning_edu.book import explorer as ex
+from lightning_edu.perf.costs import attention_cost
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..checks import random_qkv, relative_error, to_numpy
-from ..measure import peak_memory_numpy
+from ..perf.measure import peak_memory_numpy
 from ..numpy_reference import elu_plus_one, linear_attention_right
 from ._core import ExerciseError, expect_close, expect_shape, passed
 

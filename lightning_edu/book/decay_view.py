@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 
-from .numpy_reference import decay_mask
+from ..numpy_reference import decay_mask
 from .plots import color
-from .validation import validate_decay, validate_positive_int
+from ..validation import validate_decay, validate_positive_int
 
 __all__ = ["DECAY_CHOICES", "effective_context", "render_decay_view", "decay_explorer"]
 

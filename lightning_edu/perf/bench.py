@@ -1,7 +1,7 @@
 """GPU benchmark harness: our kernels side by side with the libraries a user would otherwise call.
 
-    python -m lightning_edu.bench --out bench.json                   # the chapter 07-08 table
-    python -m lightning_edu.bench --tune --out tune.json             # tile sweep of the la2_fast kernels
+    python -m lightning_edu.perf.bench --out bench.json                   # the chapter 07-08 table
+    python -m lightning_edu.perf.bench --tune --out tune.json             # tile sweep of the la2_fast kernels
 
 For every sequence length T and head dim D (H heads, bf16, T * batch = 32K tokens per call) and every method, it reports the forward and forward+backward time (median of
 ``triton.testing.do_bench``), tokens/s, peak extra memory and the fraction of the HBM floor: the bytes
@@ -42,7 +42,7 @@ def _refuse_without_gpu():
     import torch
 
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        raise SystemExit("lightning_edu.bench: refusing to time without CUDA or under TRITON_INTERPRET=1 "
+        raise SystemExit("lightning_edu.perf.bench: refusing to time without CUDA or under TRITON_INTERPRET=1 "
                          "(the CPU interpreter's timings say nothing about a GPU).")
 
 
@@ -74,7 +74,7 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 def _ours(variant: str, **cfg):  # variants of la2_fast are named la2_fast_<how>
     import torch
 
-    from .triton_kernels import VARIANTS, kernel_config, log2_decay_tensor
+    from ..triton_kernels import VARIANTS, kernel_config, log2_decay_tensor
 
     forward, backward = VARIANTS["la2_fast" if variant.startswith("la2_fast") else variant]
 
@@ -126,13 +126,13 @@ def _autograd(fn):
 
 
 def _torch_backend(q, k, v, decay, do):
-    from .api import lightning_attention
+    from ..api import lightning_attention
 
     return _autograd(lambda q, k, v: lightning_attention(q, k, v, decay, backend="torch"))(q, k, v, do)
 
 
 def _la1(q, k, v, decay, do):
-    from .triton_kernels.la1 import la1_attention
+    from ..triton_kernels.la1 import la1_attention
 
     return _autograd(lambda q, k, v: la1_attention(q, k, v, decay))(q, k, v, do)
 
@@ -208,8 +208,8 @@ def _correctness(name, make, decay_fn, dtype):
     """Relative error of a method's forward against float64 numpy on one small case (same function?)."""
     import torch
 
-    from .checks import relative_error
-    from .numpy_blockwise import blockwise_forward
+    from ..checks import relative_error
+    from ..numpy_blockwise import blockwise_forward
 
     if name.startswith("sdpa"):  # softmax attention: a different function, nothing to compare with
         return None
@@ -269,7 +269,7 @@ def _environment():
         "triton": triton.__version__,
         "python": platform.python_version(),
         "date": _dt.date.today().isoformat(),
-        "command": "python -m lightning_edu.bench " + " ".join(sys.argv[1:]),
+        "command": "python -m lightning_edu.perf.bench " + " ".join(sys.argv[1:]),
     }
 
 
@@ -334,8 +334,8 @@ def run_tune(args) -> dict:
     import torch
     from triton.testing import do_bench
 
-    from .triton_kernels import log2_decay_tensor
-    from .triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
+    from ..triton_kernels import log2_decay_tensor
+    from ..triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
 
     data = _environment()
     data["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
@@ -389,7 +389,7 @@ def _table(data) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_edu.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
     parser.add_argument("--D", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--H", type=int, default=16)

@@ -6,7 +6,7 @@ rendered book; :class:`BlockExplorer` wires them to ipywidgets sliders):
 1. the intra-block decay mask M (log10 of its entries: lambda^(r-s) spans hundreds of decades);
 2. the diagonal factors: Lambda = lambda^(r+1) on q, lambda^(b-1-r) on k, and the paper's literal
    Lambda^-1 = lambda^-(r+1), against float64's range (where the literal formula overflows);
-3. FLOPs against B, split into intra, inter and state update (:mod:`lightning_edu.costs`);
+3. FLOPs against B, split into intra, inter and state update (:mod:`lightning_edu.perf.costs`);
 4. memory against B: on-chip bytes per block against the chip's capacity, and HBM bytes;
 5. the modelled time against B, with its optimum;
 6. the error of the numpy blockwise result against the recurrent scan, token by token.
@@ -25,10 +25,10 @@ from functools import lru_cache
 import numpy as np
 from matplotlib.figure import Figure
 
-from .checks import random_qkv
-from .costs import POWERS_OF_TWO, Hardware, attention_cost, block_size_sweep, modelled_time
+from ..checks import random_qkv
+from ..perf.costs import POWERS_OF_TWO, Hardware, attention_cost, block_size_sweep, modelled_time
 from .plots import color
-from .validation import validate_decay, validate_positive_int
+from ..validation import validate_decay, validate_positive_int
 
 __all__ = [
     "BLOCK_SIZES", "DECAYS", "DIMS", "SEQ_LENS", "ExplorerNumbers", "explorer_numbers", "render_explorer",
@@ -58,7 +58,7 @@ def _check(block_size, decay, d, n):
 @lru_cache(maxsize=16)
 def _recurrent_reference(decay: float, d: int, n: int):
     """Seeded q, k, v of one head and the recurrent scan's output (cached: redraws reuse it)."""
-    from .numpy_reference import causal_linear_recurrent
+    from ..numpy_reference import causal_linear_recurrent
 
     q, k, v = random_qkv(1, 1, n, d, d, seed=4)
     return q, k, v, causal_linear_recurrent(q, k, v, decay)
@@ -67,8 +67,8 @@ def _recurrent_reference(decay: float, d: int, n: int):
 @lru_cache(maxsize=64)
 def _blockwise_error(block_size: int, decay: float, d: int, n: int) -> tuple[np.ndarray, float]:
     """Per-token error max_j |o_blockwise - o_recurrent| / max |o_recurrent|, and the relative error."""
-    from . import lightning_attention
-    from .checks import relative_error
+    from .. import lightning_attention
+    from ..checks import relative_error
 
     q, k, v, ref = _recurrent_reference(decay, d, n)
     out = lightning_attention(q, k, v, decay, backend="numpy", block_size=block_size)

@@ -1,6 +1,6 @@
 """Time and peak memory of the torch forms against n, on CPU or CUDA. (Chapter 06.)
 
-``python -m lightning_edu.torch_sweep --out FILE [--device cuda]`` measures, for each sequence length n:
+``python -m lightning_edu.perf.torch_sweep --out FILE [--device cuda]`` measures, for each sequence length n:
 the masked quadratic form, torch's ``scaled_dot_product_attention`` (softmax, causal), the block loop
 (Algorithm 1 as written), the chunk-parallel form and the per-token recurrent scan; then a block-size
 sweep at one n, and the headline benchmark (chunk-parallel vs recurrent vs loop at n = 16K). It writes a
@@ -10,7 +10,7 @@ scan at ``--max-recurrent-n`` (its n Python steps make it slow): those limits ar
 
 Times are forward passes under ``torch.no_grad()``: the median of several runs after a warm-up, with
 CUDA events on a GPU. Peak memory is the extra memory a call allocates beyond its inputs
-(:func:`lightning_edu.measure.peak_memory_torch` on CPU, the caching allocator's peak on CUDA).
+(:func:`lightning_edu.perf.measure.peak_memory_torch` on CPU, the caching allocator's peak on CUDA).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import torch_chunked as tc
+from .. import torch_chunked as tc
 from .measure import median_time, peak_memory_torch
 
 __all__ = ["METHODS", "sweep_inputs", "run_form", "sweep_forms", "sweep_block_sizes", "headline_benchmark"]
@@ -218,7 +218,7 @@ def _machine_description(device: str) -> dict:
 
 
 def _main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m lightning_edu.torch_sweep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.torch_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
@@ -249,7 +249,7 @@ def _main(argv=None) -> dict:
               "device": ns.device, "decay": [round(float(x), 6) for x in _decay(None, heads)], "block_size": 64,
               "max_quadratic_n": ns.max_quadratic_n, "max_recurrent_n": ns.max_recurrent_n}
     record = {**_machine_description(ns.device),
-              "command": "python -m lightning_edu.torch_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": "python -m lightning_edu.perf.torch_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "config": config, "results": {}}
     out = Path(ns.out)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .validation import check_finite_scalar, validate_choice, validate_positive_int
+from ..validation import check_finite_scalar, validate_choice, validate_positive_int
 
 __all__ = [
     "ALGORITHMS",
@@ -231,10 +231,10 @@ def modelled_time(cost: Cost, hardware: Hardware | None = None, *, check_sram: b
     balances the two; see :func:`optimal_block_size`.
     """
     if not isinstance(cost, Cost):
-        raise TypeError(f"cost must be a lightning_edu.costs.Cost, got {type(cost).__name__}")
+        raise TypeError(f"cost must be a lightning_edu.perf.costs.Cost, got {type(cost).__name__}")
     hw = Hardware() if hardware is None else hardware
     if not isinstance(hw, Hardware):
-        raise TypeError(f"hardware must be a lightning_edu.costs.Hardware or None, got {type(hw).__name__}")
+        raise TypeError(f"hardware must be a lightning_edu.perf.costs.Hardware or None, got {type(hw).__name__}")
     if check_sram and cost.algorithm == "blockwise" and cost.sram_bytes_per_block > hw.sram_bytes:
         return math.inf
     return cost.flops / hw.peak_flops + cost.hbm_bytes / hw.hbm_bandwidth + cost.sequential_steps * hw.step_latency

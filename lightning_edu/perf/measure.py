@@ -1,7 +1,7 @@
 """Measuring on the reader's own machine: median wall time and peak extra memory of one call.
 
 Timings are machine-dependent, so notebooks print them under ``# NBVAL_IGNORE_OUTPUT`` and assert only
-claims with wide margins (a 64x gap, not a 10 % one). GPU timings live in :mod:`lightning_edu.bench`.
+claims with wide margins (a 64x gap, not a 10 % one). GPU timings live in :mod:`lightning_edu.perf.bench`.
 """
 
 from __future__ import annotations

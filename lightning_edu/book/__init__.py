@@ -1,5 +1,7 @@
-"""The book's table of contents, read from ``book.toml`` (the one place that declares chapter order).
+"""The book's own tools: the table of contents and notebook helpers (here), the figures' style
+(:mod:`.plots`) and the widgets with their static twins (:mod:`.decay_view`, :mod:`.explorer`).
 
+The table of contents is read from ``book.toml``, the one place that declares chapter order.
 ``python -m lightning_edu.book`` prints the README's chapter table; ``python -m lightning_edu.book summary``
 writes the mdBook ``SUMMARY.md`` (with each notebook converted to Markdown by nbconvert) into the
 ``src`` folder that book.toml names, so ``mdbook build`` renders the executed notebooks.
@@ -7,7 +9,6 @@ writes the mdBook ``SUMMARY.md`` (with each notebook converted to Markdown by nb
 
 from __future__ import annotations
 
-import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ class Chapter:
 
 def repo_root() -> Path:
     """The folder holding book.toml (the repository root in a source checkout)."""
-    here = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parents[2]
     for candidate in (here, Path.cwd(), *Path.cwd().parents):
         if (candidate / "book.toml").exists():
             return candidate
@@ -131,10 +132,3 @@ def describe_recorded(data: dict) -> str:
     """One line naming where a recorded measurement came from, printed above its plot."""
     versions = ", ".join(f"{k} {data[k]}" for k in ("torch", "triton", "driver") if k in data)
     return f"Recorded on {data['machine']} on {data['date']} ({versions}) by: {data['command']}"
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["summary"]:
-        print(write_mdbook_sources())
-    else:
-        print(chapter_table())

@@ -1,0 +1,86 @@
+"""One record of where a measurement was taken: machine, versions, commit, command. (All recorded data.)
+
+Every file under ``notebooks/data/`` carries such a record, so a reader can tell which machine, which
+versions and which commit of this book produced each number. The GPU driver version comes from NVML
+(``nvidia-ml-py``) where it is installed, else it is left unnamed rather than guessed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["environment_record", "git_commit"]
+
+
+def git_commit() -> str | None:
+    """The commit of this checkout, or ``$LIGHTNING_EDU_COMMIT`` where the code runs from a copy without .git."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return out.stdout.strip() + ("+local changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("LIGHTNING_EDU_COMMIT") or None
+
+
+def _driver() -> str | None:
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # no NVIDIA driver on this machine
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment_record(command: str | None = None, device: str = "cuda") -> dict:
+    """Machine, versions, date, commit and command of a measurement, as a JSON-ready dict.
+
+    ``device`` "cuda" describes GPU 0 (name, SM count, driver); "cpu" the processor and its cores.
+    ``command`` defaults to how this Python process was started.
+    """
+    import torch
+
+    record = {}
+    if device == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        record.update(machine=props.name, sm_count=props.multi_processor_count,
+                      memory_GiB=round(props.total_memory / 2**30, 1), driver=_driver())
+    else:
+        record.update(machine=_cpu_name(), cpu_cores=os.cpu_count(), torch_threads=torch.get_num_threads())
+    try:
+        import triton
+
+        record["triton"] = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a dependency
+        record["triton"] = None
+    record.update(
+        torch=torch.__version__,
+        python=platform.python_version(),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        commit=git_commit(),
+        command=command or "python " + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    )
+    return record

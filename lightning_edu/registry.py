@@ -1,0 +1,211 @@
+"""Every implementation of the book's function, registered once: the ladder as data.
+
+Each rung (numpy -> torch -> triton) holds several forms of the same function, per batch and head
+``KV_t = lambda KV_{t-1} + k_t^T v_t``, ``o_t = q_t KV_t``. Each form is one :class:`Implementation`
+record saying what it supports (dtypes, head dims, initial and final state, a backward), which
+implementation one rung down it is checked against, and how it is benchmarked. The public API
+(:mod:`lightning_edu.api`), the benchmark (:mod:`lightning_edu.perf.bench`), the tests and the chapters
+iterate over :data:`IMPLEMENTATIONS`; nothing parses names.
+
+Every record's ``forward`` and ``backward`` take arguments that :mod:`lightning_edu.validation` has already
+checked (an :class:`~lightning_edu.validation.AttentionArgs`), so nothing validates twice:
+
+* ``forward(args, **options) -> (o, final_state)``, final_state None where ``final_state`` is False;
+* ``backward(args, d_final_state, **options) -> (dq, dk, dv, d_initial_state)``, d_initial_state None
+  where ``initial_state`` is False.
+
+Adding a rung or a variant (a recompute-heavy backward, a decoding kernel) is one new module plus one
+:func:`register` call here: see CONTRIBUTING.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .validation import AttentionArgs, validate_head_dims, validate_kernel_dtype
+
+__all__ = ["Implementation", "IMPLEMENTATIONS", "register", "get", "backend_for", "by_rung", "check_supports",
+           "RUNGS", "TOLERANCES"]
+
+RUNGS = ("numpy", "torch", "triton")
+
+# The largest relative error against float64 that a check between two implementations tolerates, by the
+# dtype of the one being checked (small random problems; the precision table covers long sequences).
+TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
+
+
+def _resolve(path: str | None) -> Callable | None:
+    if path is None:
+        return None
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One form of the function on one rung.
+
+    ``forward``/``backward`` are "module:function" paths, imported on first use so that importing the
+    registry never imports Triton. ``options`` are fixed keyword arguments that make this variant (e.g.
+    ``fused_dkdv=True``); ``bench`` holds its benchmark defaults, or is None when it is not benchmarked.
+    """
+
+    name: str
+    rung: str
+    chapter: str
+    what: str
+    forward_path: str
+    backward_path: str | None = None
+    dtypes: tuple[str, ...] = ("float64",)
+    max_head_dim: int | None = None
+    initial_state: bool = True
+    final_state: bool = True
+    differentiable: bool = False
+    checked_against: str | None = None
+    backend: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+    bench: Mapping[str, Any] | None = None
+
+    @property
+    def forward(self) -> Callable:
+        fn = _resolve(self.forward_path)
+        return lambda args, **kw: fn(args, **{**self.options, **kw})
+
+    @property
+    def backward(self) -> Callable | None:
+        fn = _resolve(self.backward_path)
+        if fn is None:
+            return None
+        return lambda args, d_final_state=None, **kw: fn(args, d_final_state, **{**self.options, **kw})
+
+    @property
+    def has_backward(self) -> bool:
+        return self.backward_path is not None
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {}
+
+
+def register(impl: Implementation) -> Implementation:
+    """Add one implementation; its name must be new and what it is checked against must exist already."""
+    if impl.name in IMPLEMENTATIONS:
+        raise ValueError(f"implementation {impl.name!r} is registered twice")
+    if impl.rung not in RUNGS:
+        raise ValueError(f"rung must be one of {RUNGS}, got {impl.rung!r} for {impl.name!r}")
+    if impl.checked_against is not None and impl.checked_against not in IMPLEMENTATIONS:
+        raise ValueError(f"{impl.name!r} is checked against {impl.checked_against!r}, which is not registered (yet)")
+    if impl.backend and any(other.backend and other.rung == impl.rung for other in IMPLEMENTATIONS.values()):
+        raise ValueError(f"rung {impl.rung!r} already has a backend implementation")
+    IMPLEMENTATIONS[impl.name] = impl
+    return impl
+
+
+def get(name: str) -> Implementation:
+    """The implementation of that name; the error lists the registered ones."""
+    if not isinstance(name, str) or name not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {sorted(IMPLEMENTATIONS)}, got {name!r}")
+    return IMPLEMENTATIONS[name]
+
+
+def by_rung(rung: str) -> list[Implementation]:
+    return [impl for impl in IMPLEMENTATIONS.values() if impl.rung == rung]
+
+
+def backend_for(rung: str) -> Implementation:
+    """What ``lightning_attention(..., backend=rung)`` runs."""
+    (impl,) = [i for i in IMPLEMENTATIONS.values() if i.rung == rung and i.backend]
+    return impl
+
+
+def check_supports(impl: Implementation, args: AttentionArgs, *, backward: bool = False,
+                   d_final_state: Any = None) -> None:
+    """Refuse, with the implementation named, a call it does not support (instead of a wrong answer)."""
+    who = f"implementation {impl.name!r}"
+    if impl.rung == "triton":
+        validate_kernel_dtype(f"q ({who})", args.q)
+    else:
+        dtype = str(args.q.dtype).replace("torch.", "")
+        if dtype not in impl.dtypes:
+            raise TypeError(f"{who} computes in {', '.join(impl.dtypes)}, got q of dtype {dtype}")
+    if impl.max_head_dim is not None:
+        validate_head_dims(args.d_k, args.d_v, impl.max_head_dim, who)
+    if args.initial_state is not None and not impl.initial_state:
+        raise ValueError(f"{who} takes no initial_state (it computes o from a zero state only)")
+    if backward and not impl.has_backward:
+        raise ValueError(f"{who} has no backward; use one of {sorted(i.name for i in IMPLEMENTATIONS.values() if i.has_backward)}")
+    if backward and d_final_state is not None and not impl.final_state:
+        raise ValueError(f"{who} returns no final state, so it takes no d_final_state")
+
+
+# ------------------------------------------------------------------------------------------------------
+# The ladder. Rung 1: float64 numpy, closest to the math.
+
+_NR = "lightning_edu.numpy_reference"
+_NB = "lightning_edu.numpy_blockwise"
+_TC = "lightning_edu.torch_chunked"
+_TK = "lightning_edu.triton_kernels"
+
+register(Implementation(
+    "numpy.recurrent", "numpy", "02", "the per-token recurrence: the ground truth every form is checked against",
+    f"{_NR}:recurrent_from_args"))
+register(Implementation(
+    "numpy.masked", "numpy", "03", "the masked left product [(Q K^T) * M] V, O(n^2 d)",
+    f"{_NR}:masked_from_args", initial_state=False, final_state=False, checked_against="numpy.recurrent"))
+register(Implementation(
+    "numpy.cumsum", "numpy", "02", "all n prefix states at once, by a doubling scan",
+    f"{_NR}:cumsum_from_args", initial_state=False, final_state=False, checked_against="numpy.recurrent"))
+register(Implementation(
+    "numpy.blockwise", "numpy", "04-05", "Algorithms 1 and 2, block by block",
+    f"{_NB}:algorithm1", f"{_NB}:algorithm2", checked_against="numpy.recurrent", backend=True))
+
+# Rung 2: PyTorch, vectorised, differentiable.
+_TORCH_DTYPES = ("float64", "float32", "float16", "bfloat16")
+register(Implementation(
+    "torch.recurrent", "torch", "06", "the per-token recurrence in torch: n dependent steps",
+    f"{_TC}:recurrent_from_args", dtypes=_TORCH_DTYPES, differentiable=True, checked_against="numpy.blockwise",
+    bench={"max_n": 4096}))
+register(Implementation(
+    "torch.masked", "torch", "06", "the quadratic masked product in torch",
+    f"{_TC}:masked_from_args", dtypes=_TORCH_DTYPES, initial_state=False, final_state=False, differentiable=True,
+    checked_against="numpy.blockwise", bench={"max_n": 8192}))
+register(Implementation(
+    "torch.loop", "torch", "06", "Algorithm 1 ported line by line: a Python loop over blocks, autograd backward",
+    f"{_TC}:loop_from_args", dtypes=_TORCH_DTYPES, differentiable=True, checked_against="numpy.blockwise", bench={}))
+register(Implementation(
+    "torch.chunked", "torch", "06", "chunk-parallel Algorithm 1 with the hand-written chunk-parallel Algorithm 2",
+    f"{_TC}:forward_from_args", f"{_TC}:backward_from_args", dtypes=_TORCH_DTYPES, differentiable=True,
+    checked_against="numpy.blockwise", backend=True, bench={}))
+register(Implementation(
+    "torch.chunked.log_scan", "torch", "06", "the chunk-parallel form with a log-depth (doubling) scan of the states",
+    f"{_TC}:forward_from_args", f"{_TC}:backward_from_args", dtypes=_TORCH_DTYPES, differentiable=True,
+    checked_against="numpy.blockwise", options={"scan": "log"}, bench={}))
+
+# Rung 3: Triton kernels. On a machine without CUDA they run in Triton's CPU interpreter.
+_KERNEL_DTYPES = ("float32", "float16", "bfloat16")
+register(Implementation(
+    "triton.la1", "triton", "07-08", "Lightning Attention-1: the tiled masked left product, O(n^2 d)",
+    f"{_TK}:la1_from_args", f"{_TK}:la1_backward_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=128,
+    initial_state=False, final_state=False, differentiable=True, checked_against="torch.chunked",
+    bench={"max_T": 32768}))
+register(Implementation(
+    "triton.la2_literal", "triton", "07-08", "Algorithms 1 and 2 as written: one program per (batch, head)",
+    f"{_TK}:la2_literal_from_args", f"{_TK}:la2_literal_backward_from_args", dtypes=_KERNEL_DTYPES,
+    max_head_dim=128, checked_against="torch.chunked", bench={}))
+register(Implementation(
+    "triton.la2_fast", "triton", "07-08", "segments, 16-bit dots, the backward as three reversed forwards",
+    f"{_TK}:la2_fast_from_args", f"{_TK}:la2_fast_backward_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256,
+    differentiable=True, checked_against="torch.chunked", backend=True, bench={}))
+register(Implementation(
+    "triton.la2_fast.one_segment", "triton", "07-08", "la2_fast without segments: one program per (batch, head, d_v slice)",
+    f"{_TK}:la2_fast_from_args", f"{_TK}:la2_fast_backward_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256,
+    checked_against="torch.chunked", options={"segments": False}, bench={}))
+register(Implementation(
+    "triton.la2_fast.no_state_reuse", "triton", "08", "la2_fast whose backward recomputes the segment states it could reuse",
+    f"{_TK}:la2_fast_from_args", f"{_TK}:la2_fast_backward_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256,
+    checked_against="torch.chunked", options={"reuse_states": False}, bench={}))
+register(Implementation(
+    "triton.la2_fast.fused_dkdv", "triton", "08", "la2_fast with dK and dV fused in one reverse kernel (measured slower)",
+    f"{_TK}:la2_fast_from_args", f"{_TK}:la2_fast_backward_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256,
+    checked_against="torch.chunked", options={"fused_dkdv": True}, bench={}))
