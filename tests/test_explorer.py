@@ -103,3 +103,15 @@ def test_render_arguments_are_checked(kwargs, error, match):
 def test_widget_refuses_values_off_its_sliders():
     with pytest.raises(ValueError, match="block_size must be one of the explorer's choices"):
         ex.explorer(block_size=100)
+
+
+def test_a_redraw_runs_the_cost_sweep_once(monkeypatch):
+    # The readout and the figure share one sweep per setting (it used to be computed twice per redraw).
+    calls = []
+    real = ex.block_size_sweep
+    monkeypatch.setattr(ex, "block_size_sweep", lambda *a, **k: calls.append(a) or real(*a, **k))
+    ex._cost_sweep.cache_clear()
+    widget = ex.explorer(block_size=32, decay=0.9, d=64, n=4096)  # the first draw
+    assert len(calls) == 1
+    widget.block_size.value = 128  # a new setting: one more sweep, not two
+    assert len(calls) == 2

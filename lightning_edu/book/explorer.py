@@ -113,13 +113,24 @@ class ExplorerNumbers:
         return f"<table class='lightning-explorer-readout'>{body}</table>"
 
 
+@lru_cache(maxsize=64)
+def _cost_sweep(block_size: int, d: int, n: int, hw: Hardware):
+    """The cost model over the block sizes shown, for one setting: (sizes, costs, times, times if any B fit).
+
+    Cached, so that a redraw computes it once for the readout and the figure together."""
+    sizes = tuple(sorted(set(BLOCK_SIZES) | {block_size}))
+    sweep = tuple(block_size_sweep(n, d, d, list(sizes), **COST_SETTING))
+    times = np.array([modelled_time(c, hw) for c in sweep])
+    unconstrained = np.array([modelled_time(c, hw, check_sram=False) for c in sweep])
+    return sizes, sweep, times, unconstrained
+
+
 def explorer_numbers(block_size: int = 64, decay: float = 0.9, d: int = 64, n: int = 4096, hardware: Hardware | None = None) -> ExplorerNumbers:
     """The numbers behind the views for one setting (cost model: bf16, 16 heads, batch 1). (Chapter 04.)"""
     block_size, lam, d, n = _check(block_size, decay, d, n)
     hw = Hardware() if hardware is None else hardware
     cost = attention_cost("blockwise", n, d, d, block_size, **COST_SETTING)
-    sweep = block_size_sweep(n, d, d, sorted(set(BLOCK_SIZES) | {block_size}), **COST_SETTING)
-    times = [modelled_time(c, hw) for c in sweep]
+    _, sweep, times, _ = _cost_sweep(block_size, d, n, hw)
     best = min(range(len(sweep)), key=lambda i: (times[i], sweep[i].block_size))
     tokens = min(n, ERROR_TOKENS)
     _, rel = _blockwise_error(block_size, lam, min(d, ERROR_MAX_D), tokens)
@@ -168,8 +179,7 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
     ax.legend(fontsize=8, loc="center right")
 
     # 3-5. the cost model against B, current B marked
-    sizes = sorted(set(BLOCK_SIZES) | {block_size})
-    sweep = block_size_sweep(n, d, d, sizes, **COST_SETTING)
+    sizes, sweep, times, unconstrained = _cost_sweep(block_size, d, n, hw)
     ax = axes[0, 2]
     ax.plot(sizes, [c.intra_flops for c in sweep], "o-", color=color("intra"), label="intra (masked products)")
     ax.plot(sizes, [c.inter_flops for c in sweep], "o-", color=color("inter"), label="inter (Q with the state)")
@@ -189,8 +199,6 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
     ax.legend(fontsize=8)
 
     ax = axes[1, 1]
-    times = np.array([modelled_time(c, hw) for c in sweep])
-    unconstrained = np.array([modelled_time(c, hw, check_sram=False) for c in sweep])
     fits = np.isfinite(times)
     ax.plot(sizes, unconstrained * 1e6, ":", color=color("blockwise"), label="if any block fit on chip")
     ax.plot(np.array(sizes)[fits], times[fits] * 1e6, "o-", color=color("blockwise"), label="blocks that fit")

@@ -13,16 +13,16 @@ interpreter: those numbers would mean nothing.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
+from tqdm.auto import tqdm
+
+from .environment import environment_record
 
 __all__ = ["hbm_floor_bytes", "head_decays", "main"]
 
@@ -44,14 +44,6 @@ def _refuse_without_gpu():
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         raise SystemExit("lightning_edu.perf.bench: refusing to time without CUDA or under TRITON_INTERPRET=1 "
                          "(the CPU interpreter's timings say nothing about a GPU).")
-
-
-def _progress(i: int, total: int, label: str) -> None:
-    width = 30
-    done = int(width * i / max(total, 1))
-    print(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{total} {label:<60s}", end="", file=sys.stderr, flush=True)
-    if i == total:
-        print(file=sys.stderr)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
@@ -252,31 +244,10 @@ def _measure(make, q, k, v, decay, do, do_fwd=True, do_bwd=True):
     return row
 
 
-def _environment():
-    import torch
-    import triton
-
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip()
-    except Exception:  # pragma: no cover
-        driver = "unknown"
-    return {
-        "machine": torch.cuda.get_device_name(0),
-        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
-        "driver": driver,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": _dt.date.today().isoformat(),
-        "command": "python -m lightning_edu.perf.bench " + " ".join(sys.argv[1:]),
-    }
-
-
 def run_table(args) -> dict:
     import torch
 
-    data = _environment()
+    data = environment_record("python -m lightning_edu.perf.bench " + " ".join(sys.argv[1:]))
     bw = copy_bandwidth()
     data["copy_bandwidth_bytes_per_s"] = bw
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -293,8 +264,8 @@ def run_table(args) -> dict:
     data["unavailable"] = errors
     results = []
     jobs = [(T, d, name) for d in args.D for T in args.T for name in available]
-    for i, (T, d, name) in enumerate(jobs):
-        _progress(i, len(jobs), f"{name} T={T} D={d}")
+    for T, d, name in (bar := tqdm(jobs, desc="bench", unit="row")):
+        bar.set_postfix_str(f"{name} T={T} D={d}")
         batch = max(1, args.tokens // T)
         if name == "la1" and T > args.la1_max_T or name == "la2_literal" and T > args.literal_max_T:
             continue
@@ -322,7 +293,6 @@ def run_table(args) -> dict:
                 json.dump(data, f, indent=1)
         del q, k, v, do
         torch.cuda.empty_cache()
-    _progress(len(jobs), len(jobs), "done")
     data["results"] = results
     return data
 
@@ -337,7 +307,7 @@ def run_tune(args) -> dict:
     from ..triton_kernels import log2_decay_tensor
     from ..triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
 
-    data = _environment()
+    data = environment_record("python -m lightning_edu.perf.bench " + " ".join(sys.argv[1:]))
     data["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
     fwd_grid = [("fwd", d, T, dict(block=b, block_dv=bv, num_warps=w, num_stages=st))
                 for d, T, b, bv, w, st in itertools.product(args.D, args.T, (32, 64, 128), (32, 64, 128), (4, 8), (2, 3))]
@@ -345,8 +315,8 @@ def run_tune(args) -> dict:
                 for d, T, b, w, st in itertools.product(args.D, args.T, (16, 32, 64), (4, 8), (1, 2))]
     results = []
     grid = fwd_grid + bwd_grid
-    for i, (kind, d, T, cfg) in enumerate(grid):
-        _progress(i, len(grid), f"{kind} D={d} T={T} {cfg}")
+    for kind, d, T, cfg in (bar := tqdm(grid, desc="tune", unit="config")):
+        bar.set_postfix_str(f"{kind} D={d} T={T} {cfg}")
         batch = max(1, args.tokens // T)
         q, k, v, do = _inputs(batch, args.H, T, d, torch.bfloat16)
         l2 = log2_decay_tensor(head_decays(args.H), "cuda")
@@ -361,7 +331,6 @@ def run_tune(args) -> dict:
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:200]
         results.append(row)
-    _progress(len(grid), len(grid), "done")
     data["results"] = results
     for kind in ("fwd", "dkdv"):
         for d in args.D:

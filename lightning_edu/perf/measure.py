@@ -6,7 +6,6 @@ claims with wide margins (a 64x gap, not a 10 % one). GPU timings live in :mod:`
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import statistics
 import time
@@ -14,13 +13,16 @@ import tracemalloc
 import weakref
 from typing import Callable
 
-__all__ = ["median_time", "peak_memory_numpy", "peak_memory_torch", "pin_blas_threads"]
+__all__ = ["time_samples", "median_time", "peak_memory_numpy", "peak_memory_torch", "pin_blas_threads"]
 
 
-def median_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 1, min_time: float = 0.0) -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeat`` runs after ``warmup`` runs.
+def time_samples(fn: Callable[[], object], repeat: int = 5, warmup: int = 1, min_time: float = 0.0) -> list[float]:
+    """Wall times of ``fn()`` in seconds, ``repeat`` samples after ``warmup`` runs.
 
-    With ``min_time`` > 0, fast calls are batched so that each measured sample lasts at least that long.
+    With ``min_time`` > 0, fast calls are batched so that each sample lasts at least that long (the sample
+    is then the mean of its batch). This is what ``torch.utils.benchmark.Timer.blocked_autorange`` does too;
+    the book keeps these few lines instead so that the same timer serves numpy and torch code alike, with
+    the number of samples fixed by the caller and nothing else (threads, warm-up rules) changed behind it.
     """
     for _ in range(warmup):
         fn()
@@ -36,7 +38,12 @@ def median_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 1, min_
         for _ in range(inner):
             fn()
         samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
+    return samples
+
+
+def median_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 1, min_time: float = 0.0) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeat`` samples (see :func:`time_samples`)."""
+    return statistics.median(time_samples(fn, repeat, warmup, min_time))
 
 
 def peak_memory_numpy(fn: Callable[[], object]) -> int:
@@ -104,24 +111,14 @@ def peak_memory_torch(fn: Callable[[], object]) -> int:
 
 
 def pin_blas_threads(threads: int = 1) -> list[str]:
-    """Set the thread count of every OpenBLAS loaded in this process; returns the libraries changed.
+    """Limit every BLAS loaded in this process to ``threads`` threads; returns the libraries changed.
 
     On a small shared machine a multi-threaded BLAS stalls whenever another process is busy (while
     chapter 01 was written, its right product at n = 2048 once took 80 ms where it takes about 2 ms; an
-    observation, not a recorded measurement), so chapters 01-02 time with one thread. OpenBLAS reads its thread count when it loads; afterwards only its own
-    setter changes it, found here by name in the libraries mapped into the process.
+    observation, not a recorded measurement), so chapters 01-02 time with one thread. threadpoolctl finds
+    the loaded BLAS libraries (OpenBLAS, MKL, BLIS) and sets their thread counts.
     """
-    done = []
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "openblas" in line.lower()})
-    except OSError:  # not Linux: leave the BLAS as it is
-        paths = []
-    for path in paths:
-        lib = ctypes.CDLL(path)
-        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            if hasattr(lib, name):
-                getattr(lib, name)(int(threads))
-                done.append(path.rsplit("/", 1)[-1])
-                break
-    return done
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    threadpool_limits(limits=int(threads), user_api="blas")
+    return [info["filepath"].rsplit("/", 1)[-1] for info in threadpool_info() if info["user_api"] == "blas"]

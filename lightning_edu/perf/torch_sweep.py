@@ -16,21 +16,17 @@ CUDA events on a GPU. Peak memory is the extra memory a call allocates beyond it
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .. import torch_chunked as tc
-from .measure import median_time, peak_memory_torch
+from .environment import environment_record
+from .measure import peak_memory_torch, time_samples
 
 __all__ = ["METHODS", "sweep_inputs", "run_form", "sweep_forms", "sweep_block_sizes", "headline_benchmark"]
 
@@ -81,13 +77,8 @@ def _time_call(fn, device: str, budget_s: float = 1.0, max_repeat: int = 7) -> t
             samples.append(start.elapsed_time(end) / 1e3)
             spent += samples[-1]
         return statistics.median(samples), min(samples)
-    t0 = time.perf_counter()
-    fn()  # warm-up, and a first estimate of the cost
-    once = time.perf_counter() - t0
-    repeat = int(max(3, min(max_repeat, budget_s / max(once, 1e-9))))
-    samples = []
-    for _ in range(repeat):
-        samples.append(median_time(fn, repeat=1, warmup=0))
+    (once,) = time_samples(fn, repeat=1, warmup=0)  # warm-up, and a first estimate of the cost
+    samples = time_samples(fn, repeat=int(max(3, min(max_repeat, budget_s / max(once, 1e-9)))), warmup=0)
     return statistics.median(samples), min(samples)
 
 
@@ -187,36 +178,6 @@ def _fmt(row) -> str:
             + (f" {mem / 2**20:9.1f} MiB" if mem is not None else "") + (f" {row['error']}" if "error" in row else ""))
 
 
-def _machine_description(device: str) -> dict:
-    """Where the numbers came from: CPU model and cores, or the GPU and its driver; library versions."""
-    info = {"torch": torch.__version__}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if device == "cuda":
-        info["machine"] = f"{torch.cuda.get_device_name()} ({platform.machine()}, {os.cpu_count()} CPU cores)"
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20)
-            info["driver"] = out.stdout.strip().splitlines()[0]
-        except Exception:  # no nvidia-smi: the driver stays unnamed rather than invented
-            pass
-    else:
-        model = platform.processor() or platform.machine()
-        try:
-            for line in Path("/proc/cpuinfo").read_text().splitlines():
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-        except OSError:
-            pass
-        info["machine"] = f"{model}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-    return info
-
-
 def _main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.torch_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -248,10 +209,8 @@ def _main(argv=None) -> dict:
     config = {"batch": batch, "heads": heads, "d_k": ns.dim, "d_v": ns.dim, "dtype": str(dtype).replace("torch.", ""),
               "device": ns.device, "decay": [round(float(x), 6) for x in _decay(None, heads)], "block_size": 64,
               "max_quadratic_n": ns.max_quadratic_n, "max_recurrent_n": ns.max_recurrent_n}
-    record = {**_machine_description(ns.device),
-              "command": "python -m lightning_edu.perf.torch_sweep " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "config": config, "results": {}}
+    command = "python -m lightning_edu.perf.torch_sweep " + " ".join(argv if argv is not None else sys.argv[1:])
+    record = {**environment_record(command, ns.device), "config": config, "results": {}}
     out = Path(ns.out)
 
     def save():
