@@ -145,7 +145,7 @@ def check_supports(impl: Implementation, args: AttentionArgs, *, backward: bool 
 _NR = "lightning_edu.numpy_reference"
 _NB = "lightning_edu.numpy_blockwise"
 _TC = "lightning_edu.torch_chunked"
-_TK = "lightning_edu.triton_kernels"
+_TK = "lightning_edu.triton_kernels.hooks"
 
 register(Implementation(
     "numpy.recurrent", "numpy", "02", "the per-token recurrence: the ground truth every form is checked against",

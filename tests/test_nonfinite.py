@@ -28,6 +28,9 @@ from lightning_edu import torch_chunked as tc
 from lightning_edu.triton_kernels import VARIANTS, log2_decay_tensor
 from lightning_edu.triton_kernels.la1 import la1_backward, la1_forward
 
+# The kernels run on the GPU where there is one, else in Triton's CPU interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 # NaN and inf are the inputs here: numpy may warn about them, and that is expected.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -66,7 +69,7 @@ def expected_nonfinite(where: str, b: int, h: int, s: int, c: int, shapes: dict)
 
 
 def _np64(x):
-    return x.detach().to(torch.float64).numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
+    return x.detach().to("cpu", torch.float64).numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
 
 
 def _named(o=None, state=None, grads=None):
@@ -97,10 +100,10 @@ def run_numpy_references(q, k, v, do, s0, dsn, decay, block):
     return _named(o, sn)
 
 
-def _torch_autograd(forward, q, k, v, do, s0, dsn, dtype):
-    leaves = [torch.tensor(x, dtype=dtype).requires_grad_() for x in (q, k, v, s0)]
+def _torch_autograd(forward, q, k, v, do, s0, dsn, dtype, device="cpu"):
+    leaves = [torch.tensor(x, dtype=dtype, device=device).requires_grad_() for x in (q, k, v, s0)]
     o, sn = forward(*leaves)
-    torch.autograd.backward([o, sn], [torch.tensor(do, dtype=dtype), torch.tensor(dsn, dtype=sn.dtype)])
+    torch.autograd.backward([o, sn], [torch.tensor(do, dtype=dtype, device=device), torch.tensor(dsn, dtype=sn.dtype, device=device)])
     return _named(o, sn, [leaf.grad for leaf in leaves])
 
 
@@ -132,14 +135,14 @@ def run_triton_backend(q, k, v, do, s0, dsn, decay, block):
     def forward(q_, k_, v_, s0_):
         return lightning_attention(q_, k_, v_, decay, backend="triton", block_size=16, initial_state=s0_, return_state=True)
 
-    return _torch_autograd(forward, q, k, v, do, s0, dsn, torch.float32)
+    return _torch_autograd(forward, q, k, v, do, s0, dsn, torch.float32, DEVICE)
 
 
 def _variant_runner(name, **options):
     def run(q, k, v, do, s0, dsn, decay, block):
         forward, backward = VARIANTS[name]
-        t = [torch.tensor(x, dtype=torch.float32) for x in (q, k, v, do, s0, dsn)]
-        l2 = log2_decay_tensor(decay, "cpu")
+        t = [torch.tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k, v, do, s0, dsn)]
+        l2 = log2_decay_tensor(decay, DEVICE)
         fwd_options = {key: val for key, val in options.items() if key == "seg_len"}
         o, sn = forward(*t[:3], l2, t[4], block=16, **fwd_options)
         grads = backward(*t[:4], l2, t[4], t[5], block=16, **options)
@@ -149,7 +152,7 @@ def _variant_runner(name, **options):
 
 
 def run_la1(q, k, v, do, s0, dsn, decay, block):
-    t = [torch.tensor(x, dtype=torch.float32) for x in (q, k, v, do)]
+    t = [torch.tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k, v, do)]
     o = la1_forward(*t[:3], decay, block_size=16)
     return _named(o, grads=la1_backward(*t, decay, block_size=16))
 
@@ -219,6 +222,6 @@ def test_issue_example_later_nan_leaves_earlier_rows_alone():
     want = np.array([True] * 7 + [False])
     assert np.array_equal(np.isfinite(lightning_attention(q, k, q)).all(-1)[0, 0], want)
     for backend in ("torch", "triton"):
-        t = [torch.tensor(x, dtype=torch.float32) for x in (q, k, q)]
+        t = [torch.tensor(x, dtype=torch.float32, device=DEVICE if backend == "triton" else "cpu") for x in (q, k, q)]
         o = lightning_attention(*t, backend=backend, block_size=16)
-        assert np.array_equal(torch.isfinite(o).all(-1)[0, 0].numpy(), want), backend
+        assert np.array_equal(torch.isfinite(o).all(-1)[0, 0].cpu().numpy(), want), backend

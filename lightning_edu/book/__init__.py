@@ -15,7 +15,7 @@ from pathlib import Path
 
 __all__ = [
     "Chapter", "repo_root", "load_config", "chapters", "chapter_table",
-    "setup_notebook", "show_source", "load_recorded", "describe_recorded",
+    "setup_notebook", "show_source", "load_recorded", "describe_recorded", "recorded_series", "tensor_maker",
 ]
 
 
@@ -131,4 +131,29 @@ def load_recorded(name: str, root: Path | None = None) -> dict:
 def describe_recorded(data: dict) -> str:
     """One line naming where a recorded measurement came from, printed above its plot."""
     versions = ", ".join(f"{k} {data[k]}" for k in ("torch", "triton", "driver") if k in data)
-    return f"Recorded on {data['machine']} on {data['date']} ({versions}) by: {data['command']}"
+    commit = f", commit {data['commit'][:12]}" if data.get("commit") else ""
+    return f"Recorded on {data['machine']} on {data['date']} ({versions}{commit}) by: {data['command']}"
+
+
+def recorded_series(rows, method: str, key: str, *, x: str = "T", **where):
+    """(x values, ``key`` values) of one method from recorded or live result rows, in increasing x.
+
+    ``rows`` is a list of dicts (a record's ``results``, or a sweep); rows of other methods, rows that fail
+    a ``where`` filter (e.g. ``D=128``) and rows without ``key`` (a failed or skipped point) are left out.
+    Returns two numpy arrays, empty when nothing matches.
+    """
+    import numpy as np
+
+    picked = sorted((r for r in rows if r.get("method") == method and key in r
+                     and all(r.get(k) == v for k, v in where.items())), key=lambda r: r[x])
+    return np.array([r[x] for r in picked]), np.array([r[key] for r in picked])
+
+
+def tensor_maker(device: str):
+    """A converter numpy -> torch tensor on ``device`` (float32 unless a dtype is given), for the kernel chapters."""
+    import torch
+
+    def to_tensor(x, dtype=torch.float32):
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    return to_tensor

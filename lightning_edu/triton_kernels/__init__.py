@@ -11,7 +11,14 @@ la2_fast      segments + 16-bit dots + backward as reversed forwards (the backen
 ============  ======================================================================  ==========
 
 On a machine without CUDA, importing :mod:`lightning_edu` sets ``TRITON_INTERPRET=1`` first, so these
-kernels run in Triton's CPU interpreter (fp32/fp16 only: the interpreter's bf16 arithmetic is wrong).
+kernels run in Triton's CPU interpreter. Its bf16 arithmetic is wrong (values ~1e10 where ~1e2 is right), so
+there the low-level launchers refuse bfloat16 tensors with a TypeError, while the *backend*
+(``lightning_attention(..., backend="triton")``) upcasts bfloat16 inputs to float32, computes, and returns
+bfloat16 outputs and gradients. On CUDA, bfloat16 runs in the kernels as it is.
+
+Non-finite inputs stay causal in every kernel: a NaN or inf reaches exactly the outputs that depend on it.
+Each kernel runs a fast pass (as fast as before) that flags the programs where a non-finite value showed up,
+then an exact pass over those programs only (masks that select, a sanitised operand: see ``_tiles``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import math
 
 import torch
 
+from ._tiles import interpreted
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
 
@@ -42,52 +50,76 @@ VARIANTS = {
 }
 
 
+def _upcast_for_interpreter(*xs):
+    """bfloat16 tensors bound for Triton's CPU interpreter, as float32 (the interpreter computes bf16 wrongly);
+    everything else (CUDA tensors, other dtypes, None) as given."""
+    return tuple(x.float() if x is not None and x.dtype == torch.bfloat16 and interpreted(x) else x for x in xs)
+
+
 def log2_decay_tensor(decay, device) -> torch.Tensor:
     """log2(lambda) per head as float32 on ``device`` (0 exactly for lambda = 1)."""
     return torch.tensor([math.log2(float(x)) for x in decay], dtype=torch.float32, device=device)
 
 
 class TritonLightningAttention(torch.autograd.Function):
-    """Differentiable wrapper of the fastest variant: returns (o, final_state fp32)."""
+    """Differentiable wrapper of the fastest variant: returns (o, final_state fp32).
+
+    o and the gradients of q, k, v come back in the inputs' dtypes. In Triton's CPU interpreter (tensors not
+    on CUDA) bfloat16 inputs are computed in float32, since the interpreter's bf16 arithmetic is wrong: o is
+    rounded to bfloat16 at the end and the gradients reach the bfloat16 leaves as bfloat16.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, log2_decay, initial_state, block_size=None):
         ctx.set_materialize_grads(False)  # an unused final state must not cost a zero-gradient pass
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         q, k, v = (x.contiguous() for x in (q, k, v))
-        cfg = kernel_config(q.shape[-1], v.shape[-1], q.dtype, block_size)
-        o, sn, (seg_len, incoming) = la2_fast_forward(q, k, v, log2_decay, initial_state, save_states=True, **cfg)
-        ctx.save_for_backward(q, k, v, log2_decay, initial_state, incoming)
+        qc, kc, vc = _upcast_for_interpreter(q, k, v)
+        cfg = kernel_config(q.shape[-1], v.shape[-1], qc.dtype, block_size)
+        o, sn, (seg_len, incoming) = la2_fast_forward(qc, kc, vc, log2_decay, initial_state, save_states=True, **cfg)
+        ctx.save_for_backward(q, k, v, log2_decay, initial_state, incoming)  # as given: upcast again if needed
         ctx.seg_len = seg_len
         ctx.has_state = initial_state is not None
         ctx.cfg = cfg
-        return o, sn
+        return o.to(v.dtype), sn
 
     @staticmethod
     def backward(ctx, do, d_sn):
         q, k, v, log2_decay, initial_state, incoming = ctx.saved_tensors
-        do = torch.zeros_like(v) if do is None else do.contiguous()
+        q, k, v = _upcast_for_interpreter(q, k, v)
+        do = torch.zeros_like(v) if do is None else _upcast_for_interpreter(do.contiguous())[0]
         dq, dk, dv, ds0 = la2_fast_backward(
             q, k, v, do, log2_decay, initial_state if ctx.has_state else None, d_sn, saved=(ctx.seg_len, incoming),
             **ctx.cfg,
         )
+        dq, dk, dv = (g.to(dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes))
         d_state = ds0.to(initial_state.dtype) if ctx.has_state and ctx.needs_input_grad[4] else None
         return dq, dk, dv, None, d_state, None
 
 
 def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
-    """(o, final_state) by the Triton backend; ``decay`` is a sequence of per-head lambdas."""
+    """(o, final_state) by the Triton backend; ``decay`` is a sequence of per-head lambdas.
+
+    o has v's dtype, final_state is float32. bfloat16 inputs off CUDA (the CPU interpreter) are computed in
+    float32 and o is returned as bfloat16; gradients flow back to the bfloat16 leaves as bfloat16."""
     return TritonLightningAttention.apply(q, k, v, log2_decay_tensor(decay, q.device), initial_state, block_size)
 
 
 def forward_from_args(args):
-    """Backend hook for :func:`lightning_edu.lightning_attention`."""
+    """Backend hook for :func:`lightning_edu.lightning_attention` (bfloat16 in the CPU interpreter: computed in
+    float32, returned as bfloat16; see :func:`triton_attention`)."""
     return triton_attention(args.q, args.k, args.v, args.decay, args.initial_state, args.block_size)
 
 
 def backward_from_args(args, d_final_state=None):
-    """Backend hook for :func:`lightning_edu.lightning_attention_backward`."""
-    q, k, v = (x.contiguous() for x in (args.q, args.k, args.v))
+    """Backend hook for :func:`lightning_edu.lightning_attention_backward`: (dq, dk, dv, d_initial_state fp32).
+
+    dq, dk, dv come back in the dtypes of q, k, v. bfloat16 inputs off CUDA (the CPU interpreter, whose bf16
+    arithmetic is wrong) are computed in float32 and the gradients rounded to bfloat16 at the end."""
+    dtypes = (args.q.dtype, args.k.dtype, args.v.dtype)
+    q, k, v, do = _upcast_for_interpreter(*(x.contiguous() for x in (args.q, args.k, args.v, args.do)))
     cfg = kernel_config(q.shape[-1], v.shape[-1], q.dtype, args.block_size)
-    return la2_fast_backward(q, k, v, args.do.contiguous(), log2_decay_tensor(args.decay, q.device),
-                             args.initial_state, d_final_state, **cfg)
+    dq, dk, dv, ds0 = la2_fast_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device),
+                                        args.initial_state, d_final_state, **cfg)
+    return (*(g.to(dtype) for g, dtype in zip((dq, dk, dv), dtypes)), ds0)
 

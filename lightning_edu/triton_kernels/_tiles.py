@@ -1,11 +1,52 @@
-"""Small launch-time helpers shared by the Lightning Attention-2 kernels."""
+"""Small helpers shared by the Triton kernels: launch-time tile choices, the bf16 guard of the CPU
+interpreter, and the ``@triton.jit`` helpers that keep non-finite values causal.
+
+Non-finite values and causality. Two traps make a NaN or inf at a later token leak into earlier rows of its
+block. (a) A score tile masked by *multiplying* with a mask that holds 0 above the diagonal: NaN * 0 = NaN.
+(b) The next product, ``P @ V``: the dense tile product multiplies P's zero upper triangle by V's later rows,
+and 0 * NaN = NaN again. The exact tiles: :func:`apply_decay` with SAFE selects dropped entries away
+(``tl.where``); :func:`finite_operand` zeroes the non-finite entries of the right operand of the intra-block
+product and records, per column, the first (causal tile) or last (anti-causal tile) row holding one;
+:func:`poison` then sets to NaN exactly the output entries that depend on such an entry. State updates
+(KV += K^T V, ...) keep the raw operands, so a non-finite value still reaches every later block through the
+state, as the algebra says it must.
+
+Two passes, so that finite inputs pay (almost) nothing. The exact tiles cost shared-memory round trips and
+layout changes on every tile, and even compiled into the same kernel behind a branch that never runs they
+raise its register count for the whole kernel: measured on an H100 (bf16, H = 16, 32K tokens), exact tiles in
+every sweep made LA-1 about 3x and la2_fast up to 2.2x slower, an in-kernel exact re-sweep still 1.2-1.9x.
+So every kernel is compiled twice (the constexpr SAFE) and launched twice:
+
+* The fast pass (SAFE=False, the usual grid) is the plain kernel as it always was (masks that multiply, raw
+  operands), plus one flag per program: whether its carried state (LA-2) or its output tile (LA-1) ended
+  non-finite. Every inexact result of the fast pass comes from a non-finite entry of a K- or V-like operand
+  (one that meets a dropped entry of the score tile, or is the right operand of the intra-block product),
+  and every such entry also enters a dense product into that state or output, where 0 * NaN = NaN makes it
+  non-finite: no inexact program goes unflagged. The flag is set in whichever way left the compiled fast
+  kernel as it was (measured): :func:`clear_flag` then :func:`flag_nonfinite` (masked stores, no
+  reduction), or :func:`stored_nonfinite` (the stored tile read back and reduced).
+* The exact pass (SAFE=True, about one program per SM: :func:`exact_pass_grid`) scans the flags with one
+  vector load per program and redoes only the flagged programs, rewriting their outputs (states and flags it
+  leaves alone: the fast pass computed the states exactly). On finite inputs it costs about 2 us of GPU time
+  and one more launch on the host.
+
+A flag can also be raised by a non-finite value the fast pass handled exactly (a q, an initial state, an
+fp16 overflow): that only costs the exact pass's time, never a wrong result.
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
+import triton.language as tl
 
-__all__ = ["pad_dim", "dot_precision"]
+__all__ = [
+    "pad_dim", "dot_precision", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid", "dropped",
+    "apply_decay", "finite_operand", "poison", "stored_nonfinite", "clear_flag", "flag_nonfinite",
+]
 
 
 def pad_dim(d: int) -> int:
@@ -17,3 +58,121 @@ def dot_precision(x: torch.Tensor) -> str:
     """``input_precision`` of tl.dot: full fp32 ("ieee") for fp32 inputs, the correctness rung; "tf32" for
     16-bit inputs, whose operands are already coarser than tf32."""
     return "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def interpreted(x: torch.Tensor) -> bool:
+    """Whether a kernel launched on ``x`` runs in Triton's CPU interpreter: x is not on CUDA (there is no
+    other CPU path), or TRITON_INTERPRET=1 was set."""
+    return not x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device; 4 in the interpreter (a few programs, as on a small GPU)."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def exact_pass_grid(programs: int, device) -> tuple[tuple[int], int]:
+    """(grid, SCAN) of an exact pass over ``programs`` fast-pass programs: about one program per SM, each
+    scanning SCAN flags (a power of two, at least 16) with one vector load and redoing the flagged ones."""
+    scan = max(16, triton.next_power_of_2(-(-programs // sm_count(device))))
+    return (triton.cdiv(programs, scan),), scan
+
+
+def refuse_interpreted_bf16(who: str, *tensors) -> None:
+    """Raise TypeError for bfloat16 tensors headed for the CPU interpreter, whose bf16 arithmetic is wrong
+    (values ~1e10 where ~1e2 is right). On CUDA nothing is checked; anything but a torch tensor is skipped."""
+    for x in tensors:
+        if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and interpreted(x):
+            raise TypeError(
+                f"{who}: Triton's CPU interpreter computes bfloat16 wrongly; pass float32/float16 tensors, "
+                f"or use lightning_attention(..., backend='triton'), which upcasts"
+            )
+
+
+@triton.jit
+def dropped(SAFE: tl.constexpr):
+    """The value a decay tile holds on dropped (above-diagonal or padded) entries: -1 in the exact pass, where
+    :func:`apply_decay` selects them away, 0 in the fast pass, where it multiplies."""
+    if SAFE:
+        return -1.0
+    else:
+        return 0.0
+
+
+@triton.jit
+def apply_decay(dot, decay, SAFE: tl.constexpr):
+    """A masked score tile: ``dot * decay`` on kept entries (decay = lambda^distance, which may underflow to 0),
+    0 on dropped ones. SAFE (the exact pass): dropped entries (decay = -1) are *selected* away, so a NaN or inf
+    there never becomes NaN * 0 = NaN. Fast pass: the plain multiply by a decay tile holding 0 there, as fast
+    as before; a non-finite dot entry in a dropped place always comes from an operand the fast pass's state
+    check sees (module docstring), so the exact pass redoes that program."""
+    if SAFE:
+        return tl.where(decay >= 0, dot * decay, 0.0)
+    else:
+        return dot * decay
+
+
+@triton.jit
+def finite_operand(x, pos, CAUSAL: tl.constexpr, AXIS: tl.constexpr = 0):
+    """The right operand ``x`` of a masked tile product, made safe: returns (x with its non-finite entries
+    set to 0, edge). ``pos`` holds the positions of x's rows (along ``AXIS``: 0 for an (rows, d) tile, 1 for
+    a transposed (d, rows) tile); padded rows are loaded as 0 and never count. ``edge`` has one entry per
+    column of the row-major operand: for a CAUSAL tile (output row r sees operand rows s <= r) the first
+    position holding a non-finite value (2**30 if none), else (anti-causal: row s sees rows r >= s) the last
+    one (-1 if none). Cost: one test, two selects, one reduction over the rows.
+    """
+    ok = (x - x) == 0  # False exactly for inf and NaN
+    if AXIS == 0:
+        p = pos[:, None]
+    else:
+        p = pos[None, :]
+    if CAUSAL:
+        edge = tl.min(tl.where(ok, 2**30, p), axis=AXIS)
+    else:
+        edge = tl.max(tl.where(ok, -1, p), axis=AXIS)
+    return tl.where(ok, x, 0.0), edge
+
+
+@triton.jit
+def poison(out, pos, edge, CAUSAL: tl.constexpr):
+    """``out`` (rows at positions ``pos``, one column per entry of ``edge`` from :func:`finite_operand`) with
+    NaN exactly where the product depends on a non-finite operand entry: pos >= edge (causal) or
+    pos <= edge (anti-causal)."""
+    if CAUSAL:
+        hit = pos[:, None] >= edge[None, :]
+    else:
+        hit = pos[:, None] <= edge[None, :]
+    return tl.where(hit, float("nan"), out)
+
+
+@triton.jit
+def stored_nonfinite(ptrs, mask):
+    """Fast pass, last thing in a program: whether the tile it just stored at ``ptrs`` (masked by ``mask``)
+    holds an inf or NaN, as a scalar to store as its flag. The tile is read back (from L2, after a barrier)
+    rather than tested in registers: testing the accumulator changed LA-1's compiled forward kernel (+19% at
+    d = 128 on an H100), the read-back leaves it as it was (+2%)."""
+    tl.debug_barrier()
+    back = tl.load(ptrs, mask=mask, other=0.0)
+    return tl.sum(tl.sum(back.to(tl.float32) * 0.0, axis=1), axis=0) != 0.0
+
+
+@triton.jit
+def clear_flag(flag):
+    """Fast pass, first thing in a program: its flag := 0 (the barrier orders this store before any later one)."""
+    tl.store(flag, 0)
+    tl.debug_barrier()
+
+
+@triton.jit
+def flag_nonfinite(flag, x):
+    """Fast pass, last thing in a program: flag := 1 if the 2-D tile ``x`` (its final state, or the output tile it
+    just stored) holds an inf or NaN (x * 0 != 0 exactly then). A store masked to the lanes holding one, not a
+    reduction: a cross-warp reduction here changed the compiled kernel and cost LA-1's dK/dV kernel 23% on an H100."""
+    tl.store(tl.broadcast_to(flag, x.shape), 1, mask=(x * 0.0) != 0.0)

@@ -21,6 +21,11 @@ Four ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
    pass starts from them (transposed) instead of re-reading K and V, and dK reuses dV's segment states.
    Predicted about 15 % off the backward at T >= 32K; measured 1-4 %: the passes are bound by the chain of
    dots inside each program, not by bytes (chapter 08).
+
+Non-finite inputs stay causal (a NaN or inf reaches exactly the outputs that depend on it), in the forward,
+in the three backward passes and in the fused dK/dV kernel: each kernel is a fast pass, which flags the
+programs whose state ended non-finite, and an exact pass that redoes only those (``_tiles``). The segment
+states are dense sums, exact as they are. bfloat16 is refused in the CPU interpreter, which computes it wrongly.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tiles import dot_precision, pad_dim
+from ._tiles import (
+    apply_decay, clear_flag, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite, pad_dim, poison,
+    refuse_interpreted_bf16, sm_count,
+)
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments"]
 
@@ -96,21 +104,42 @@ def _incoming_state(S0, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v
 
 
 @triton.jit
-def _la2_fast_forward_kernel(
-    Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len,
-    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr,
-    SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Algorithm 1 over one segment. Grid (batch*heads, num_segments, cdiv(d_v, BLOCK_DV)).
+def _forward_sweep(Q, K, V, O, kv, bh, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask, q_scale,
+                   D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr,
+                   PRECISION: tl.constexpr, SAFE: tl.constexpr):
+    """Algorithm 1 over positions [start, end) from state ``kv``; returns the final state.
 
-    STORE_INC saves each segment's incoming state to INC (batch*heads, num_segments, d_k, d_v) fp32, so
-    that the backward's dQ pass can start every segment without a pre-pass over K and V.
+    SAFE: exact for non-finite K and V (a non-finite k_p or v_p reaches rows p' >= p only; see _tiles); the
+    state update keeps the raw V, so it reaches every later block too.
     """
-    bh = tl.program_id(0)
-    seg = tl.program_id(1)
-    pid_v = tl.program_id(2)
-    num_seg = tl.num_programs(1)
+    for blk in range(start, end, BLOCK):
+        p = blk + offs_r
+        ok = p < end
+        rows = _row_offsets(p, n, REVERSE)
+        q = tl.load(Q + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+        b = tl.minimum(end - blk, BLOCK)
+        scores = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, SAFE)
+        if SAFE:
+            v_safe, bad_from = finite_operand(v, offs_r, True)
+            o = poison(tl.dot(scores.to(v.dtype), v_safe, input_precision=PRECISION), offs_r, bad_from, True)
+        else:
+            o = tl.dot(scores.to(v.dtype), v, input_precision=PRECISION)
+        o += tl.dot(q, kv.to(q.dtype), input_precision=PRECISION) * q_scale[:, None]
+        k_scale = tl.where(ok, tl.exp2(log2_lam * tl.maximum(b - 1 - offs_r, 0).to(tl.float32)), 0.0)
+        ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
+        kv = kv * tl.exp2(log2_lam * b.to(tl.float32)) + tl.dot(tl.trans(ks), v, input_precision=PRECISION)
+        tl.store(O + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], o.to(O.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
+    return kv
+
+
+@triton.jit
+def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
+                     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr,
+                     SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr, PRECISION: tl.constexpr,
+                     SAFE: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
     offs_r = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, PAD_K)
@@ -122,59 +151,64 @@ def _la2_fast_forward_kernel(
                          D_K, D_V, PAD_K, BLOCK_DV, HAS_S0, SEG_IS_INCOMING)
     if STORE_INC:
         tl.store(INC + (bh * num_seg + seg) * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], kv, mask=state_ok)
+    # lambda^(r-s) on and below the diagonal; above it, the dropped entries (0, or -1 in the exact pass).
     gap = offs_r[:, None] - offs_r[None, :]
-    mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), 0.0)
+    mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), dropped(SAFE))
     q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
     start = seg * seg_len
     end = tl.minimum(start + seg_len, n)
-    for blk in range(start, end, BLOCK):
-        p = blk + offs_r
-        ok = p < end
-        rows = _row_offsets(p, n, REVERSE)
-        q = tl.load(Q + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
-        b = tl.minimum(end - blk, BLOCK)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * mask
-        o = tl.dot(scores.to(v.dtype), v, input_precision=PRECISION)
-        o += tl.dot(q, kv.to(q.dtype), input_precision=PRECISION) * q_scale[:, None]
-        k_scale = tl.where(ok, tl.exp2(log2_lam * tl.maximum(b - 1 - offs_r, 0).to(tl.float32)), 0.0)
-        ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
-        kv = kv * tl.exp2(log2_lam * b.to(tl.float32)) + tl.dot(tl.trans(ks), v, input_precision=PRECISION)
-        tl.store(O + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], o.to(O.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
+    kv = _forward_sweep(Q, K, V, O, kv, bh, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask,
+                        q_scale, D_K, D_V, BLOCK, REVERSE, PRECISION, SAFE)
     if STORE_SN:
         if seg == num_seg - 1:
             tl.store(SN + bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], kv, mask=state_ok)
+    return kv
 
 
 @triton.jit
-def _la2_fast_dkdv_kernel(
-    Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len,
-    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
-    BLOCK: tl.constexpr, STORE_XN: tl.constexpr, PRECISION: tl.constexpr,
+def _la2_fast_forward_kernel(
+    Q, K, V, O, S0, SN, SEG, INC, FLAG, LOG2_DECAY, n, H, seg_len, n_programs,
+    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr,
+    SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr, PRECISION: tl.constexpr,
+    SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
 ):
-    """Reverse sweep of Algorithm 2 for one segment, dK and dV together. Grid (batch*heads, num_segments).
+    """Algorithm 1 over one segment. Grid (batch*heads, num_segments, cdiv(d_v, BLOCK_DV)).
 
-    In reversed time (p = n-1-t) with the state X = dKV = sum_{p'<=p} lambda^(p-p') q^T do:
-    dV rows = [(K Q^T) * M] dO + lambda^(r+1) K X,   dK rows = [(V dO^T) * M] Q + lambda^(r+1) V X^T.
+    STORE_INC saves each segment's incoming state to INC (batch*heads, num_segments, d_k, d_v) fp32, so
+    that the backward's dQ pass can start every segment without a pre-pass over K and V.
+    Two passes (_tiles): the fast one flags programs whose final state is non-finite; the exact one (SAFE,
+    grid from _tiles.exact_pass_grid, STORE_SN and STORE_INC off) redoes them with exact tiles.
     """
-    bh = tl.program_id(0)
-    seg = tl.program_id(1)
-    num_seg = tl.num_programs(1)
-    log2_lam = tl.load(LOG2_DECAY + bh % H)
-    offs_r = tl.arange(0, BLOCK)
-    offs_k = tl.arange(0, PAD_K)
-    offs_v = tl.arange(0, PAD_V)
-    k_ok = offs_k < D_K
-    v_ok = offs_v < D_V
-    state_ok = k_ok[:, None] & v_ok[None, :]
-    x = _incoming_state(XN, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v, state_ok,
-                        D_K, D_V, PAD_K, PAD_V, False)
-    gap = offs_r[:, None] - offs_r[None, :]
-    mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), 0.0)
-    q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
-    start = seg * seg_len
-    end = tl.minimum(start + seg_len, n)
+    slices: tl.constexpr = (D_V + BLOCK_DV - 1) // BLOCK_DV
+    num_seg = tl.cdiv(n, seg_len)
+    if SAFE:
+        first = tl.program_id(0) * SCAN
+        ids = first + tl.arange(0, SCAN)
+        if tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0:
+            for i in range(first, tl.minimum(first + SCAN, n_programs)):
+                if tl.load(FLAG + i) != 0:
+                    _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, i // slices // num_seg,
+                                     i // slices % num_seg, i % slices, num_seg, D_K, D_V, PAD_K, BLOCK_DV, BLOCK,
+                                     REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC, PRECISION, True)
+    else:
+        bh = tl.program_id(0)
+        seg = tl.program_id(1)
+        pid_v = tl.program_id(2)
+        flag = FLAG + (bh * num_seg + seg) * slices + pid_v
+        clear_flag(flag)
+        kv = _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
+                              D_K, D_V, PAD_K, BLOCK_DV, BLOCK, REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC,
+                              PRECISION, False)
+        flag_nonfinite(flag, kv)  # a non-finite K or V entry always leaves the state non-finite (0 * NaN = NaN)
+
+
+@triton.jit
+def _dkdv_sweep(Q, K, V, DO, DK, DV, x, bh, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask,
+                q_scale, D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+                SAFE: tl.constexpr):
+    """The fused reverse sweep over positions [start, end) from state ``x``; returns the final state.
+    SAFE: exact for non-finite dO and Q (causal tiles in reversed time; see _tiles)."""
     for blk in range(start, end, BLOCK):
         p = blk + offs_r
         ok = p < end
@@ -186,21 +220,85 @@ def _la2_fast_dkdv_kernel(
         v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0)
         do = tl.load(DO + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0)
         b = tl.minimum(end - blk, BLOCK)
-        kq = (tl.dot(k, tl.trans(q), input_precision=PRECISION) * mask).to(do.dtype)
-        dv = tl.dot(kq, do, input_precision=PRECISION)
+        kq = apply_decay(tl.dot(k, tl.trans(q), input_precision=PRECISION), mask, SAFE).to(do.dtype)
+        if SAFE:
+            do_safe, bad_from = finite_operand(do, offs_r, True)
+            dv = poison(tl.dot(kq, do_safe, input_precision=PRECISION), offs_r, bad_from, True)
+        else:
+            dv = tl.dot(kq, do, input_precision=PRECISION)
         x16 = x.to(k.dtype)
         dv += tl.dot(k, x16, input_precision=PRECISION) * q_scale[:, None]
-        vdo = (tl.dot(v, tl.trans(do), input_precision=PRECISION) * mask).to(q.dtype)
-        dk = tl.dot(vdo, q, input_precision=PRECISION)
+        vdo = apply_decay(tl.dot(v, tl.trans(do), input_precision=PRECISION), mask, SAFE).to(q.dtype)
+        if SAFE:
+            q_safe, bad_from = finite_operand(q, offs_r, True)
+            dk = poison(tl.dot(vdo, q_safe, input_precision=PRECISION), offs_r, bad_from, True)
+        else:
+            dk = tl.dot(vdo, q, input_precision=PRECISION)
         dk += tl.dot(v, tl.trans(x16), input_precision=PRECISION) * q_scale[:, None]
         k_scale = tl.where(ok, tl.exp2(log2_lam * tl.maximum(b - 1 - offs_r, 0).to(tl.float32)), 0.0)
         qs = (q.to(tl.float32) * k_scale[:, None]).to(q.dtype)
         x = x * tl.exp2(log2_lam * b.to(tl.float32)) + tl.dot(tl.trans(qs), do, input_precision=PRECISION)
         tl.store(DK + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kmask)
         tl.store(DV + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], dv.to(DV.dtype.element_ty), mask=vmask)
+    return x
+
+
+@triton.jit
+def _dkdv_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, bh, seg, num_seg,
+                  D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
+                  BLOCK: tl.constexpr, STORE_XN: tl.constexpr, PRECISION: tl.constexpr, SAFE: tl.constexpr):
+    log2_lam = tl.load(LOG2_DECAY + bh % H)
+    offs_r = tl.arange(0, BLOCK)
+    offs_k = tl.arange(0, PAD_K)
+    offs_v = tl.arange(0, PAD_V)
+    k_ok = offs_k < D_K
+    v_ok = offs_v < D_V
+    state_ok = k_ok[:, None] & v_ok[None, :]
+    x = _incoming_state(XN, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v, state_ok,
+                        D_K, D_V, PAD_K, PAD_V, False)
+    gap = offs_r[:, None] - offs_r[None, :]
+    mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), dropped(SAFE))
+    q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
+    start = seg * seg_len
+    end = tl.minimum(start + seg_len, n)
+    x = _dkdv_sweep(Q, K, V, DO, DK, DV, x, bh, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask,
+                    q_scale, D_K, D_V, BLOCK, PRECISION, SAFE)
     if STORE_XN:
         if seg == num_seg - 1:
             tl.store(XN + bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], x, mask=state_ok)
+    return x
+
+
+@triton.jit
+def _la2_fast_dkdv_kernel(
+    Q, K, V, DO, DK, DV, XN, SEG, FLAG, LOG2_DECAY, n, H, seg_len, n_programs,
+    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
+    BLOCK: tl.constexpr, STORE_XN: tl.constexpr, PRECISION: tl.constexpr,
+    SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
+):
+    """Reverse sweep of Algorithm 2 for one segment, dK and dV together. Grid (batch*heads, num_segments).
+
+    In reversed time (p = n-1-t) with the state X = dKV = sum_{p'<=p} lambda^(p-p') q^T do:
+    dV rows = [(K Q^T) * M] dO + lambda^(r+1) K X,   dK rows = [(V dO^T) * M] Q + lambda^(r+1) V X^T.
+    Two passes, as the forward kernel (_tiles); the exact one with STORE_XN off.
+    """
+    num_seg = tl.cdiv(n, seg_len)
+    if SAFE:
+        first = tl.program_id(0) * SCAN
+        ids = first + tl.arange(0, SCAN)
+        if tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0:
+            for i in range(first, tl.minimum(first + SCAN, n_programs)):
+                if tl.load(FLAG + i) != 0:
+                    _dkdv_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, i // num_seg, i % num_seg,
+                                  num_seg, D_K, D_V, PAD_K, PAD_V, BLOCK, STORE_XN, PRECISION, True)
+    else:
+        bh = tl.program_id(0)
+        seg = tl.program_id(1)
+        flag = FLAG + bh * num_seg + seg
+        clear_flag(flag)
+        x = _dkdv_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, bh, seg, num_seg,
+                          D_K, D_V, PAD_K, PAD_V, BLOCK, STORE_XN, PRECISION, False)
+        flag_nonfinite(flag, x)  # a non-finite Q or dO entry always shows in the state
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -210,11 +308,7 @@ def _la2_fast_dkdv_kernel(
 
 
 def _sm_count(device) -> int:
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a few segments, so CPU tests exercise the segmented path
+    return sm_count(device)  # 4 in the interpreter: a few segments, so CPU tests exercise the segmented path
 
 
 def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: int | None = None) -> tuple[int, int]:
@@ -268,11 +362,16 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     store_incoming = store_incoming and num_seg > 1
     inc = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32) if store_incoming else sn
     s0 = initial_state if initial_state is not None else sn
-    _la2_fast_forward_kernel[(batch * heads, num_seg, slices)](
-        q, k, v, o, s0, sn, seg, inc, log2_decay, n, heads, seg_len, **meta,
-        HAS_S0=initial_state is not None, STORE_SN=True, SEG_IS_INCOMING=incoming is not None,
-        STORE_INC=store_incoming, num_warps=num_warps, num_stages=num_stages,
-    )
+    grid = (batch * heads, num_seg, slices)
+    programs = batch * heads * num_seg * slices
+    flags = torch.empty(programs, device=q.device, dtype=torch.int32)
+    args = (q, k, v, o, s0, sn, seg, inc, flags, log2_decay, n, heads, seg_len, programs)
+    meta.update(HAS_S0=initial_state is not None, SEG_IS_INCOMING=incoming is not None, num_warps=num_warps,
+                num_stages=num_stages)
+    # The fast pass flags programs whose state ended non-finite; the exact pass redoes only those (_tiles).
+    _la2_fast_forward_kernel[grid](*args, **meta, STORE_SN=True, STORE_INC=store_incoming)
+    safe_grid, scan = exact_pass_grid(programs, q.device)
+    _la2_fast_forward_kernel[safe_grid](*args, **meta, STORE_SN=False, STORE_INC=False, SAFE=True, SCAN=scan)
     aux = {"seg_len": seg_len, "local": None if incoming is not None else seg, "incoming": inc if store_incoming else None}
     return o, sn, aux
 
@@ -281,7 +380,9 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int = 64, b
                      num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None, save_states: bool = False):
     """Segmented forward. Returns (o, final_state fp32), or (o, final_state, saved) with ``save_states``:
     ``saved = (seg_len, incoming)`` holds every segment's incoming state for la2_fast_backward's dQ pass
-    (``incoming`` is None when the sequence is one segment: then there is nothing to save)."""
+    (``incoming`` is None when the sequence is one segment: then there is nothing to save).
+    bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
+    refuse_interpreted_bf16("la2_fast_forward", q, k, v)
     s0 = initial_state.float().contiguous() if initial_state is not None else None
     o, sn, aux = _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len,
                                store_incoming=save_states)
@@ -302,8 +403,12 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     Two passes are saved on long sequences. ``saved`` (from ``la2_fast_forward(..., save_states=True)``)
     gives dQ every segment's incoming state KV^T, so it skips its pre-pass over K and V. And the dV and dK
     passes read the same (Q, dO) in the same order: dK reuses dV's segment states, transposed.
+
+    bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong.
     """
     import torch
+
+    refuse_interpreted_bf16("la2_fast_backward", q, k, v, do)
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
@@ -361,8 +466,12 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
             q, do, seg, log2_decay, n, heads, seg_len_, D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv_seg,
             BLOCK=block, REVERSE=True, PRECISION=dot_precision(q), num_warps=num_warps, num_stages=num_stages,
         )
-    _la2_fast_dkdv_kernel[(batch * heads, num_seg)](
-        q, k, v, do, dk, dv, x_end, seg, log2_decay, n, heads, seg_len_, D_K=d_k, D_V=d_v, PAD_K=pad_k,
-        PAD_V=pad_v, BLOCK=block, STORE_XN=True, PRECISION=dot_precision(q), num_warps=dkdv_warps, num_stages=dkdv_stages,
-    )
+    programs = batch * heads * num_seg
+    flags = torch.empty(programs, device=q.device, dtype=torch.int32)
+    args = (q, k, v, do, dk, dv, x_end, seg, flags, log2_decay, n, heads, seg_len_, programs)
+    meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, PAD_V=pad_v, BLOCK=block, PRECISION=dot_precision(q),
+                num_warps=dkdv_warps, num_stages=dkdv_stages)
+    _la2_fast_dkdv_kernel[(batch * heads, num_seg)](*args, **meta, STORE_XN=True)  # fast pass, flags as the forward
+    safe_grid, scan = exact_pass_grid(programs, q.device)
+    _la2_fast_dkdv_kernel[safe_grid](*args, **meta, STORE_XN=False, SAFE=True, SCAN=scan)
     return dk, dv, x_end

@@ -7,6 +7,10 @@ Loads are upcast to fp32 right after ``tl.load`` so the kernels also run in Trit
 Row r = 0 .. b-1 of a block of b valid rows uses the factors (0-based; see numpy_blockwise):
 ``M[r, s] = lambda^(r-s)``, ``q_scale = lambda^(r+1)``, ``k_scale = lambda^(b-1-r)``, ``lambda^b``; each is
 ``exp2(log2(lambda) * non-negative power)``, so lambda^-B is never formed.
+
+Non-finite inputs stay causal (a NaN or inf reaches exactly the outputs that depend on it): every kernel is
+a fast pass, which flags the programs whose state ended non-finite, and an exact pass that redoes only those
+(``_tiles``). bfloat16 is refused in the CPU interpreter, which computes it wrongly.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import triton
 import triton.language as tl
 
 from ..validation import validate_head_dims
-from ._tiles import dot_precision, pad_dim
+from ._tiles import (
+    apply_decay, clear_flag, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite, pad_dim, poison,
+    refuse_interpreted_bf16,
+)
 
 __all__ = [
     "la2_literal_forward_kernel", "la2_literal_dq_kernel", "la2_literal_dkdv_kernel",
@@ -24,25 +31,27 @@ __all__ = [
 
 
 @triton.jit
-def _decay_factors(log2_lam, offs_r, b, BLOCK: tl.constexpr):
-    """M (BLOCK x BLOCK), lambda^(r+1), lambda^(b-1-r) (0 on padded rows) and lambda^b for b valid rows."""
+def _decay_factors(log2_lam, offs_r, b, BLOCK: tl.constexpr, SAFE: tl.constexpr):
+    """M (BLOCK x BLOCK: lambda^(r-s) for r >= s, ``dropped(SAFE)`` above the diagonal), lambda^(r+1),
+    lambda^(b-1-r) (0 on padded rows) and lambda^b for b valid rows. Score tiles: ``apply_decay(dot, M, SAFE)``."""
     gap = offs_r[:, None] - offs_r[None, :]
-    mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), 0.0)
+    mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), dropped(SAFE))
     q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
     k_scale = tl.where(offs_r < b, tl.exp2(log2_lam * tl.maximum(b - 1 - offs_r, 0).to(tl.float32)), 0.0)
     block_decay = tl.exp2(log2_lam * b.to(tl.float32))
     return mask, q_scale, k_scale, block_decay
 
 
+# Every kernel below is launched twice (see _tiles): SAFE=False runs the plain algorithm and flags the programs
+# whose state ended non-finite; SAFE=True redoes the flagged programs with exact tiles (launched with its state
+# output off: the fast pass computed the state exactly).
+
+
 @triton.jit
-def la2_literal_forward_kernel(
-    Q, K, V, O, S0, SN, LOG2_DECAY, n, H,
-    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Algorithm 1. Grid: (batch*heads, cdiv(d_v, BLOCK_DV)). Q, K: (bh, n, D_K); V, O: (bh, n, D_V)."""
-    bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
+def _forward_program(Q, K, V, O, S0, SN, LOG2_DECAY, n, H, bh, pid_v,
+                     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr, PRECISION: tl.constexpr,
+                     SAFE: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
     offs_r = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, PAD_K)
@@ -63,10 +72,14 @@ def la2_literal_forward_kernel(
         q = tl.load(Q + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        mask, q_scale, k_scale, block_decay = _decay_factors(log2_lam, offs_r, b, BLOCK)
+        mask, q_scale, k_scale, block_decay = _decay_factors(log2_lam, offs_r, b, BLOCK, SAFE)
         # O_intra = [(Q_i K_i^T) * M] V_i
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * mask
-        o = tl.dot(scores, v, input_precision=PRECISION)
+        scores = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, SAFE)
+        if SAFE:  # a non-finite v_s reaches rows r >= s only; the state update below keeps the raw V_i
+            v_safe, bad_from = finite_operand(v, offs_r, True)
+            o = poison(tl.dot(scores, v_safe, input_precision=PRECISION), offs_r, bad_from, True)
+        else:
+            o = tl.dot(scores, v, input_precision=PRECISION)
         # O_inter = Lambda Q_i KV,  Lambda = diag(lambda^1 .. lambda^B)
         o += tl.dot(q * q_scale[:, None], kv, input_precision=PRECISION)
         # KV = lambda^B KV + (lambda^B Lambda^-1 K_i)^T V_i, with lambda^B Lambda^-1 = diag(lambda^(b-1-r)) formed directly
@@ -75,21 +88,41 @@ def la2_literal_forward_kernel(
         tl.store(O + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
     if STORE_SN:
         tl.store(SN + state_ptrs, kv, mask=state_ok)
+    return kv
 
 
 @triton.jit
-def la2_literal_dq_kernel(
-    K, V, DO, DQ, S0, LOG2_DECAY, n, H,
-    D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, PAD_V: tl.constexpr,
-    BLOCK: tl.constexpr, HAS_S0: tl.constexpr, PRECISION: tl.constexpr,
+def la2_literal_forward_kernel(
+    Q, K, V, O, S0, SN, FLAG, LOG2_DECAY, n, H, n_programs,
+    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr, PRECISION: tl.constexpr,
+    SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
 ):
-    """Algorithm 2, first loop (forward sweep). Grid: (batch*heads, cdiv(d_k, BLOCK_DK)).
+    """Algorithm 1. Grid: (batch*heads, cdiv(d_v, BLOCK_DV)). Q, K: (bh, n, D_K); V, O: (bh, n, D_V).
+    Exact pass (SAFE): grid from _tiles.exact_pass_grid, STORE_SN off."""
+    slices: tl.constexpr = (D_V + BLOCK_DV - 1) // BLOCK_DV
+    if SAFE:
+        first = tl.program_id(0) * SCAN
+        ids = first + tl.arange(0, SCAN)
+        if tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0:
+            for i in range(first, tl.minimum(first + SCAN, n_programs)):
+                if tl.load(FLAG + i) != 0:
+                    _forward_program(Q, K, V, O, S0, SN, LOG2_DECAY, n, H, i // slices, i % slices, D_K, D_V, PAD_K,
+                                     BLOCK_DV, BLOCK, HAS_S0, STORE_SN, PRECISION, True)
+    else:
+        bh = tl.program_id(0)
+        pid_v = tl.program_id(1)
+        flag = FLAG + bh * slices + pid_v
+        clear_flag(flag)
+        kv = _forward_program(Q, K, V, O, S0, SN, LOG2_DECAY, n, H, bh, pid_v, D_K, D_V, PAD_K, BLOCK_DV, BLOCK,
+                              HAS_S0, STORE_SN, PRECISION, False)
+        flag_nonfinite(flag, kv)  # a non-finite K or V entry always shows in the state
 
-    dQ_i = [(dO_i V_i^T) * M] K_i + Lambda dO_i KV^T, then the forward state update of KV.
-    This program owns columns ``BLOCK_DK`` of dQ, so it keeps the matching rows of KV.
-    """
-    bh = tl.program_id(0)
-    pid_k = tl.program_id(1)
+
+@triton.jit
+def _dq_program(K, V, DO, DQ, S0, LOG2_DECAY, n, H, bh, pid_k,
+                D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, PAD_V: tl.constexpr,
+                BLOCK: tl.constexpr, HAS_S0: tl.constexpr, PRECISION: tl.constexpr, SAFE: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
     offs_r = tl.arange(0, BLOCK)
     offs_k = pid_k * BLOCK_DK + tl.arange(0, BLOCK_DK)
@@ -106,28 +139,55 @@ def la2_literal_dq_kernel(
         k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
         do = tl.load(DO + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        mask, q_scale, k_scale, block_decay = _decay_factors(log2_lam, offs_r, b, BLOCK)
-        scores = tl.dot(do, tl.trans(v), input_precision=PRECISION) * mask  # (dO_i V_i^T) * M
-        dq = tl.dot(scores, k, input_precision=PRECISION)
+        mask, q_scale, k_scale, block_decay = _decay_factors(log2_lam, offs_r, b, BLOCK, SAFE)
+        scores = apply_decay(tl.dot(do, tl.trans(v), input_precision=PRECISION), mask, SAFE)  # (dO_i V_i^T) * M
+        if SAFE:
+            k_safe, bad_from = finite_operand(k, offs_r, True)
+            dq = poison(tl.dot(scores, k_safe, input_precision=PRECISION), offs_r, bad_from, True)
+        else:
+            dq = tl.dot(scores, k, input_precision=PRECISION)
         dq += tl.dot(do * q_scale[:, None], tl.trans(kv), input_precision=PRECISION)  # Lambda dO_i KV^T
         kv = kv * block_decay + tl.dot(tl.trans(k * k_scale[:, None]), v, input_precision=PRECISION)
         tl.store(DQ + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & k_ok[None, :])
+    return kv
 
 
 @triton.jit
-def la2_literal_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DSN, DS0, LOG2_DECAY, n, H,
-    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
-    BLOCK: tl.constexpr, HAS_DSN: tl.constexpr, STORE_DS0: tl.constexpr, PRECISION: tl.constexpr,
+def la2_literal_dq_kernel(
+    K, V, DO, DQ, S0, FLAG, LOG2_DECAY, n, H, n_programs,
+    D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, PAD_V: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_S0: tl.constexpr, PRECISION: tl.constexpr,
+    SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
 ):
-    """Algorithm 2, second loop (reverse sweep). Grid: (batch*heads,).
+    """Algorithm 2, first loop (forward sweep). Grid: (batch*heads, cdiv(d_k, BLOCK_DK)).
 
-    From the last block to the first:
-    dK_i = [(dO_i V_i^T) * M]^T Q_i + (lambda^B Lambda^-1 V_i) dKV^T
-    dV_i = [(Q_i K_i^T) * M]^T dO_i + (lambda^B Lambda^-1 K_i) dKV      (this block's dO_i: eq. 19 prints dO_{t})
-    dKV  = lambda^B dKV + (Lambda Q_i)^T dO_i
+    dQ_i = [(dO_i V_i^T) * M] K_i + Lambda dO_i KV^T, then the forward state update of KV.
+    This program owns columns ``BLOCK_DK`` of dQ, so it keeps the matching rows of KV.
     """
-    bh = tl.program_id(0)
+    slices: tl.constexpr = (D_K + BLOCK_DK - 1) // BLOCK_DK
+    if SAFE:
+        first = tl.program_id(0) * SCAN
+        ids = first + tl.arange(0, SCAN)
+        if tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0:
+            for i in range(first, tl.minimum(first + SCAN, n_programs)):
+                if tl.load(FLAG + i) != 0:
+                    _dq_program(K, V, DO, DQ, S0, LOG2_DECAY, n, H, i // slices, i % slices, D_K, D_V, BLOCK_DK, PAD_V,
+                                BLOCK, HAS_S0, PRECISION, True)
+    else:
+        bh = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        flag = FLAG + bh * slices + pid_k
+        clear_flag(flag)
+        kv = _dq_program(K, V, DO, DQ, S0, LOG2_DECAY, n, H, bh, pid_k, D_K, D_V, BLOCK_DK, PAD_V, BLOCK, HAS_S0,
+                         PRECISION, False)
+        flag_nonfinite(flag, kv)  # a non-finite K or V entry always shows in the state
+
+
+@triton.jit
+def _dkdv_program(Q, K, V, DO, DK, DV, DSN, DS0, LOG2_DECAY, n, H, bh,
+                  D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
+                  BLOCK: tl.constexpr, HAS_DSN: tl.constexpr, STORE_DS0: tl.constexpr, PRECISION: tl.constexpr,
+                  SAFE: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
     offs_r = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, PAD_K)
@@ -151,18 +211,59 @@ def la2_literal_dkdv_kernel(
         k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=kmask, other=0.0).to(tl.float32)
         v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0).to(tl.float32)
         do = tl.load(DO + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0).to(tl.float32)
-        mask, q_scale, k_scale, block_decay = _decay_factors(log2_lam, offs_r, b, BLOCK)
-        dov = tl.dot(do, tl.trans(v), input_precision=PRECISION) * mask
-        dk = tl.dot(tl.trans(dov), q, input_precision=PRECISION)
+        mask, q_scale, k_scale, block_decay = _decay_factors(log2_lam, offs_r, b, BLOCK, SAFE)
+        # With SAFE: key row s receives from rows r >= s, so a non-finite q_r or do_r reaches rows s <= r only.
+        dov = apply_decay(tl.dot(do, tl.trans(v), input_precision=PRECISION), mask, SAFE)
+        if SAFE:
+            q_safe, bad_to = finite_operand(q, offs_r, False)
+            dk = poison(tl.dot(tl.trans(dov), q_safe, input_precision=PRECISION), offs_r, bad_to, False)
+        else:
+            dk = tl.dot(tl.trans(dov), q, input_precision=PRECISION)
         dk += tl.dot(v * k_scale[:, None], tl.trans(dkv), input_precision=PRECISION)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * mask
-        dv = tl.dot(tl.trans(qk), do, input_precision=PRECISION)
+        qk = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, SAFE)
+        if SAFE:
+            do_safe, bad_to = finite_operand(do, offs_r, False)
+            dv = poison(tl.dot(tl.trans(qk), do_safe, input_precision=PRECISION), offs_r, bad_to, False)
+        else:
+            dv = tl.dot(tl.trans(qk), do, input_precision=PRECISION)
         dv += tl.dot(k * k_scale[:, None], dkv, input_precision=PRECISION)
         dkv = dkv * block_decay + tl.dot(tl.trans(q * q_scale[:, None]), do, input_precision=PRECISION)
         tl.store(DK + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kmask)
         tl.store(DV + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], dv.to(DV.dtype.element_ty), mask=vmask)
     if STORE_DS0:
         tl.store(DS0 + state_ptrs, dkv, mask=state_ok)
+    return dkv
+
+
+@triton.jit
+def la2_literal_dkdv_kernel(
+    Q, K, V, DO, DK, DV, DSN, DS0, FLAG, LOG2_DECAY, n, H, n_programs,
+    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_DSN: tl.constexpr, STORE_DS0: tl.constexpr, PRECISION: tl.constexpr,
+    SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
+):
+    """Algorithm 2, second loop (reverse sweep). Grid: (batch*heads,).
+
+    From the last block to the first:
+    dK_i = [(dO_i V_i^T) * M]^T Q_i + (lambda^B Lambda^-1 V_i) dKV^T
+    dV_i = [(Q_i K_i^T) * M]^T dO_i + (lambda^B Lambda^-1 K_i) dKV      (this block's dO_i: eq. 19 prints dO_{t})
+    dKV  = lambda^B dKV + (Lambda Q_i)^T dO_i
+    """
+    if SAFE:
+        first = tl.program_id(0) * SCAN
+        ids = first + tl.arange(0, SCAN)
+        if tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0:
+            for i in range(first, tl.minimum(first + SCAN, n_programs)):
+                if tl.load(FLAG + i) != 0:
+                    _dkdv_program(Q, K, V, DO, DK, DV, DSN, DS0, LOG2_DECAY, n, H, i, D_K, D_V, PAD_K, PAD_V, BLOCK,
+                                  HAS_DSN, STORE_DS0, PRECISION, True)
+    else:
+        bh = tl.program_id(0)
+        flag = FLAG + bh
+        clear_flag(flag)
+        dkv = _dkdv_program(Q, K, V, DO, DK, DV, DSN, DS0, LOG2_DECAY, n, H, bh, D_K, D_V, PAD_K, PAD_V, BLOCK,
+                            HAS_DSN, STORE_DS0, PRECISION, False)
+        flag_nonfinite(flag, dkv)  # a non-finite Q or dO entry always shows in dKV
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,8 +280,11 @@ def _block_cap(*dims: int) -> int:
 
 
 def la2_literal_forward(q, k, v, log2_decay, initial_state=None, block: int = 64):
-    """Run Algorithm 1. Returns (o, final_state fp32). ``block`` is capped by the head dims (see _block_cap)."""
+    """Run Algorithm 1. Returns (o, final_state fp32). ``block`` is capped by the head dims (see _block_cap).
+    bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
     import torch
+
+    refuse_interpreted_bf16("la2_literal_forward", q, k, v)
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
@@ -191,17 +295,24 @@ def la2_literal_forward(q, k, v, log2_decay, initial_state=None, block: int = 64
     block_dv = min(pad_dim(d_v), 64)
     grid = (batch * heads, triton.cdiv(d_v, block_dv))
     s0 = initial_state.float().contiguous() if initial_state is not None else sn
-    la2_literal_forward_kernel[grid](
-        q, k, v, o, s0, sn, log2_decay, n, heads,
-        D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k), BLOCK_DV=block_dv, BLOCK=block,
-        HAS_S0=initial_state is not None, STORE_SN=True, PRECISION=dot_precision(q),
-    )
+    programs = grid[0] * grid[1]
+    flags = torch.empty(programs, device=q.device, dtype=torch.int32)
+    args = (q, k, v, o, s0, sn, flags, log2_decay, n, heads, programs)
+    meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k), BLOCK_DV=block_dv, BLOCK=block,
+                HAS_S0=initial_state is not None, PRECISION=dot_precision(q))
+    # The fast pass flags programs whose state ended non-finite; the exact pass redoes only those (_tiles).
+    la2_literal_forward_kernel[grid](*args, **meta, STORE_SN=True)
+    safe_grid, scan = exact_pass_grid(programs, q.device)
+    la2_literal_forward_kernel[safe_grid](*args, **meta, STORE_SN=False, SAFE=True, SCAN=scan)
     return o, sn
 
 
 def la2_literal_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None, block: int = 64):
-    """Run Algorithm 2. Returns (dq, dk, dv, d_initial_state fp32). ``block`` is capped as in the forward."""
+    """Run Algorithm 2. Returns (dq, dk, dv, d_initial_state fp32). ``block`` is capped as in the forward.
+    bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
     import torch
+
+    refuse_interpreted_bf16("la2_literal_backward", q, k, v, do)
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
@@ -213,15 +324,20 @@ def la2_literal_backward(q, k, v, do, log2_decay, initial_state=None, d_final_st
     ds0 = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     block_dk = min(pad_dim(d_k), 64)
     s0 = initial_state.float().contiguous() if initial_state is not None else ds0
-    la2_literal_dq_kernel[(batch * heads, triton.cdiv(d_k, block_dk))](
-        k, v, do, dq, s0, log2_decay, n, heads,
-        D_K=d_k, D_V=d_v, BLOCK_DK=block_dk, PAD_V=pad_dim(d_v), BLOCK=block,
-        HAS_S0=initial_state is not None, PRECISION=dot_precision(q),
-    )
+    grid = (batch * heads, triton.cdiv(d_k, block_dk))
+    programs = grid[0] * grid[1]
+    flags = torch.empty(programs, device=q.device, dtype=torch.int32)  # also serves dK/dV: batch*heads <= programs
+    args = (k, v, do, dq, s0, flags, log2_decay, n, heads, programs)
+    meta = dict(D_K=d_k, D_V=d_v, BLOCK_DK=block_dk, PAD_V=pad_dim(d_v), BLOCK=block,
+                HAS_S0=initial_state is not None, PRECISION=dot_precision(q))
+    la2_literal_dq_kernel[grid](*args, **meta)  # fast pass, then the flagged programs exactly (_tiles)
+    safe_grid, scan = exact_pass_grid(programs, q.device)
+    la2_literal_dq_kernel[safe_grid](*args, **meta, SAFE=True, SCAN=scan)
     dsn = d_final_state.float().contiguous() if d_final_state is not None else ds0
-    la2_literal_dkdv_kernel[(batch * heads,)](
-        q, k, v, do, dk, dv, dsn, ds0, log2_decay, n, heads,
-        D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k), PAD_V=pad_dim(d_v), BLOCK=block,
-        HAS_DSN=d_final_state is not None, STORE_DS0=True, PRECISION=dot_precision(q), num_warps=8,
-    )
+    args = (q, k, v, do, dk, dv, dsn, ds0, flags, log2_decay, n, heads, batch * heads)
+    meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k), PAD_V=pad_dim(d_v), BLOCK=block,
+                HAS_DSN=d_final_state is not None, PRECISION=dot_precision(q), num_warps=8)
+    la2_literal_dkdv_kernel[(batch * heads,)](*args, **meta, STORE_DS0=True)
+    safe_grid, scan = exact_pass_grid(batch * heads, q.device)
+    la2_literal_dkdv_kernel[safe_grid](*args, **meta, STORE_DS0=False, SAFE=True, SCAN=scan)
     return dq, dk, dv, ds0

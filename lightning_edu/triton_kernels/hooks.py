@@ -1,0 +1,106 @@
+"""Registry hooks of the Triton rung: checked arguments in, kernels launched, (o, final_state) out.
+
+Every Triton implementation in :mod:`lightning_edu.registry` runs through one of these. They take an
+:class:`~lightning_edu.validation.AttentionArgs` that validation has already checked, make the tensors
+contiguous, and, in Triton's CPU interpreter (no CUDA), compute bfloat16 inputs in float32 and round the
+results back (the interpreter's own bf16 arithmetic is wrong); on a GPU bf16 runs in the kernels as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernel_config, log2_decay_tensor, triton_attention
+from ._tiles import interpreted
+from .la1 import la1_backward, la1_forward
+from .la2_fast import la2_fast_backward, la2_fast_forward
+from .la2_literal import la2_literal_backward, la2_literal_forward
+
+__all__ = [
+    "la1_from_args", "la1_backward_from_args", "la2_literal_from_args", "la2_literal_backward_from_args",
+    "la2_fast_from_args", "la2_fast_backward_from_args", "la2_fast_forward_backward",
+]
+
+
+def _tensors(args, *xs):
+    """Contiguous, and float32 where a bfloat16 tensor would meet the CPU interpreter."""
+    out = []
+    for x in xs:
+        if x is None:
+            out.append(None)
+            continue
+        x = x.contiguous()
+        out.append(x.float() if x.dtype == torch.bfloat16 and interpreted(x) else x)
+    return out
+
+
+def _back(x, like):
+    return x.to(like.dtype)
+
+
+def la1_from_args(args, **options):
+    """LA-1 forward: (o, None); it has no state."""
+    q, k, v = _tensors(args, args.q, args.k, args.v)
+    return _back(la1_forward(q, k, v, args.decay, args.block_size), args.v), None
+
+
+def la1_backward_from_args(args, d_final_state=None, **options):
+    q, k, v, do = _tensors(args, args.q, args.k, args.v, args.do)
+    dq, dk, dv = la1_backward(q, k, v, do, args.decay, args.block_size)
+    return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), None
+
+
+def la2_literal_from_args(args, **options):
+    q, k, v = _tensors(args, args.q, args.k, args.v)
+    o, sn = la2_literal_forward(q, k, v, log2_decay_tensor(args.decay, q.device), args.initial_state,
+                                block=args.block_size or 64)
+    return _back(o, args.v), sn
+
+
+def la2_literal_backward_from_args(args, d_final_state=None, **options):
+    q, k, v, do = _tensors(args, args.q, args.k, args.v, args.do)
+    dq, dk, dv, ds0 = la2_literal_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
+                                           d_final_state, block=args.block_size or 64)
+    return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), ds0
+
+
+def _la2_fast_config(args, q, segments: bool, fused_dkdv: bool) -> tuple[dict, dict]:
+    cfg = kernel_config(args.d_k, args.d_v, q.dtype, args.block_size)
+    if not segments:  # one segment: the whole sequence, in whole blocks
+        cfg["seg_len"] = -(-args.seq_len // cfg["block"]) * cfg["block"]
+    backward_only = dict(fused_dkdv=True, dkdv_block=64, dkdv_warps=8) if fused_dkdv else {}
+    return cfg, backward_only
+
+
+def la2_fast_from_args(args, segments: bool = True, reuse_states: bool = True, fused_dkdv: bool = False, **options):
+    """The backend's kernels. With the default options this is the differentiable backend; the measured
+    sub-variants (no segments, no state reuse, fused dK/dV) launch the same kernels with other options."""
+    if segments and reuse_states and not fused_dkdv:
+        return triton_attention(args.q, args.k, args.v, args.decay, args.initial_state, args.block_size)
+    q, k, v = _tensors(args, args.q, args.k, args.v)
+    cfg, _ = _la2_fast_config(args, q, segments, fused_dkdv)
+    o, sn = la2_fast_forward(q, k, v, log2_decay_tensor(args.decay, q.device), args.initial_state, **cfg)
+    return _back(o, args.v), sn
+
+
+def la2_fast_backward_from_args(args, d_final_state=None, segments: bool = True, reuse_states: bool = True,
+                                fused_dkdv: bool = False, **options):
+    q, k, v, do = _tensors(args, args.q, args.k, args.v, args.do)
+    cfg, extra = _la2_fast_config(args, q, segments, fused_dkdv)
+    dq, dk, dv, ds0 = la2_fast_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
+                                        d_final_state, **cfg, **extra)
+    return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), ds0
+
+
+def la2_fast_forward_backward(args, log2_decay=None, segments: bool = True, reuse_states: bool = True,
+                              fused_dkdv: bool = False, **options):
+    """Forward then backward as a training step runs them (the benchmark's forward + backward): with
+    ``reuse_states`` the forward saves its segment states for the backward's dQ pass."""
+    q, k, v, do = _tensors(args, args.q, args.k, args.v, args.do)
+    cfg, extra = _la2_fast_config(args, q, segments, fused_dkdv)
+    l2 = log2_decay_tensor(args.decay, q.device) if log2_decay is None else log2_decay
+    if reuse_states:
+        _, _, saved = la2_fast_forward(q, k, v, l2, args.initial_state, save_states=True, **cfg)
+        return la2_fast_backward(q, k, v, do, l2, args.initial_state, None, saved=saved, **cfg, **extra)
+    la2_fast_forward(q, k, v, l2, args.initial_state, **cfg)
+    return la2_fast_backward(q, k, v, do, l2, args.initial_state, None, **cfg, **extra)
