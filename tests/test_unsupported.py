@@ -103,3 +103,28 @@ def test_every_documented_combination_is_tested_and_every_tested_one_documented(
         assert phrase in paragraph
     tested = {r[2] for r in ROWS} | {"interpreter is off"}
     assert set(documented) <= tested
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the bf16 refusal concerns Triton's CPU interpreter")
+@pytest.mark.parametrize("launcher", ["la1_forward", "la2_literal_forward", "la2_fast_forward"])
+def test_kernel_launchers_refuse_bf16_in_the_interpreter(launcher):
+    # The interpreter's bf16 arithmetic is wrong (values near 1e10 where 1e2 is right): refused, not computed.
+    from lightning_edu.triton_kernels import la1, la2_fast, la2_literal, log2_decay_tensor
+
+    q, k, v = t_qkv(torch.bfloat16)
+    module = {"la1_forward": la1, "la2_literal_forward": la2_literal, "la2_fast_forward": la2_fast}[launcher]
+    fn = getattr(module, launcher)
+    args = (q, k, v, [0.5, 0.9]) if launcher == "la1_forward" else (q, k, v, log2_decay_tensor([0.5, 0.9], "cpu"))
+    with pytest.raises(TypeError, match=rf"^{launcher}: Triton's CPU interpreter computes bfloat16 wrongly"):
+        fn(*args)
+    assert "bfloat16" in le.lightning_attention.__doc__  # the API says what it does instead: computes in float32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's bf16 path")
+def test_triton_backend_computes_bf16_correctly_in_the_interpreter():
+    # Once 1.7e10 where the answer is near 85: now computed in float32 and rounded to bf16.
+    q, k, v = t_qkv(torch.bfloat16, n=64)
+    o = le.lightning_attention(q, k, v, 0.9, backend="triton")
+    ref = le.lightning_attention(*(x.double().numpy() for x in (q, k, v)), 0.9)
+    assert o.dtype == torch.bfloat16
+    assert float(np.linalg.norm(o.double().numpy() - ref) / np.linalg.norm(ref)) < 5e-3
