@@ -128,3 +128,12 @@ def test_triton_backend_computes_bf16_correctly_in_the_interpreter():
     ref = le.lightning_attention(*(x.double().numpy() for x in (q, k, v)), 0.9)
     assert o.dtype == torch.bfloat16
     assert float(np.linalg.norm(o.double().numpy() - ref) / np.linalg.norm(ref)) < 5e-3
+
+
+def test_la1_attention_refuses_a_decay_that_requires_grad():
+    # It used to detach the tensor silently, leaving decay.grad None although dL/dlambda is not 0.
+    from lightning_edu.triton_kernels.la1 import la1_attention
+
+    q, k, v = t_qkv()
+    with pytest.raises(TypeError, match=r"^decay requires grad, but no backend computes the gradient"):
+        la1_attention(q, k, v, torch.full((2,), 0.5, requires_grad=True))

@@ -45,6 +45,7 @@ __all__ = [
     "attention_cost",
     "block_size_sweep",
     "modelled_time",
+    "la1_cost",
     "optimal_block_size",
 ]
 
@@ -266,3 +267,33 @@ def optimal_block_size(
     if math.isinf(times[best]):
         raise ValueError(f"no block size in {[c.block_size for c in costs]} fits in sram_bytes of the hardware")
     return costs[best].block_size
+
+
+def la1_cost(n: int, d_k: int, d_v: int | None = None, block_size: int = 64, *, batch: int = 1, heads: int = 1,
+             dtype_bytes: int = 2, direction: str = "forward") -> dict:
+    """FLOPs and HBM bytes of the LA-1 kernels (:mod:`lightning_edu.triton_kernels.la1`), per call, counting padded tiles. (Chapters 07-08.)
+
+    Bytes assume no cache reuse: each program re-reads the key/value (or query/dO) tiles of every block
+    pair it visits, as the loops are written. With t = ceil(n / B) blocks there are t (t + 1) / 2 block pairs
+    on or below the diagonal; each costs 2 dots of B x B x d in the forward, 6 in the backward (dQ: 2;
+    dK and dV: 4). Returns a dict with ``flops``, ``hbm_bytes`` and ``pairs`` (block pairs per head).
+    """
+    direction = validate_choice("direction", direction, ("forward", "backward"))
+    n, d_k = validate_positive_int("n", n), validate_positive_int("d_k", d_k)
+    d_v = d_k if d_v is None else validate_positive_int("d_v", d_v)
+    block = validate_positive_int("block_size", block_size)
+    heads_total = validate_positive_int("batch", batch) * validate_positive_int("heads", heads)
+    dtype_bytes = validate_positive_int("dtype_bytes", dtype_bytes)
+    t = -(-n // block)
+    pairs = t * (t + 1) // 2
+    dot_kv = 2 * block * block * (d_k + d_v)  # Q K^T and P V (or their backward twins): one pair, both dots
+    if direction == "forward":
+        flops = pairs * dot_kv
+        # per query block: Q_i in, O_i out; per pair: K_j, V_j in
+        elements = t * block * (d_k + d_v) + pairs * block * (d_k + d_v)
+    else:
+        flops = 3 * pairs * dot_kv
+        # dQ kernel: dO_i in, dQ_i out, K_j and V_j per pair; dK/dV kernel: K_j, V_j in, dK_j, dV_j out, Q_i and dO_i per pair
+        elements = t * block * (d_v + d_k) + pairs * block * (d_k + d_v)
+        elements += t * block * 2 * (d_k + d_v) + pairs * block * (d_k + d_v)
+    return {"flops": heads_total * flops, "hbm_bytes": heads_total * elements * dtype_bytes, "pairs": pairs}

@@ -40,9 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validation import (
-    validate_attention_args, validate_block_size, validate_choice, validate_head_dims, validate_positive_int,
-)
+from ..validation import validate_attention_args, validate_block_size, validate_decay, validate_head_dims
 from ._tiles import (
     apply_decay, clear_flag, dropped, exact_pass_grid, finite_operand, flag_nonfinite, poison, refuse_interpreted_bf16,
     stored_nonfinite,
@@ -50,7 +48,7 @@ from ._tiles import (
 
 __all__ = [
     "la1_forward_kernel", "la1_backward_dq_kernel", "la1_backward_dkdv_kernel",
-    "la1_forward", "la1_backward", "LA1Function", "la1_attention", "la1_cost", "LA1_DTYPES",
+    "la1_forward", "la1_backward", "LA1Function", "la1_attention", "LA1_DTYPES",
 ]
 
 LA1_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -451,166 +449,5 @@ def la1_attention(q, k, v, decay=1.0, block_size: int | None = None):
     (bfloat16 is refused in the CPU interpreter).
     """
     refuse_interpreted_bf16("la1_attention", q, k, v)
-    if isinstance(decay, torch.Tensor):
-        decay = decay.detach()
-    return LA1Function.apply(q, k, v, decay, validate_block_size(block_size))
-
-
-def la1_cost(n: int, d_k: int, d_v: int | None = None, block_size: int = 64, *, batch: int = 1, heads: int = 1,
-             dtype_bytes: int = 2, direction: str = "forward") -> dict:
-    """FLOPs and HBM bytes of the LA-1 kernels above, per call, counting padded tiles. (Chapters 07-08.)
-
-    Bytes assume no cache reuse: each program re-reads the key/value (or query/dO) tiles of every block
-    pair it visits, as the loops are written. With t = ceil(n / B) blocks there are t (t + 1) / 2 block pairs
-    on or below the diagonal; each costs 2 dots of B x B x d in the forward, 6 in the backward (dQ: 2;
-    dK and dV: 4). Returns a dict with ``flops``, ``hbm_bytes`` and ``pairs`` (block pairs per head).
-    """
-    direction = validate_choice("direction", direction, ("forward", "backward"))
-    n, d_k = validate_positive_int("n", n), validate_positive_int("d_k", d_k)
-    d_v = d_k if d_v is None else validate_positive_int("d_v", d_v)
-    block = validate_positive_int("block_size", block_size)
-    heads_total = validate_positive_int("batch", batch) * validate_positive_int("heads", heads)
-    dtype_bytes = validate_positive_int("dtype_bytes", dtype_bytes)
-    t = -(-n // block)
-    pairs = t * (t + 1) // 2
-    dot_kv = 2 * block * block * (d_k + d_v)  # Q K^T and P V (or their backward twins): one pair, both dots
-    if direction == "forward":
-        flops = pairs * dot_kv
-        # per query block: Q_i in, O_i out; per pair: K_j, V_j in
-        elements = t * block * (d_k + d_v) + pairs * block * (d_k + d_v)
-    else:
-        flops = 3 * pairs * dot_kv
-        # dQ kernel: dO_i in, dQ_i out, K_j and V_j per pair; dK/dV kernel: K_j, V_j in, dK_j, dV_j out, Q_i and dO_i per pair
-        elements = t * block * (d_v + d_k) + pairs * block * (d_k + d_v)
-        elements += t * block * 2 * (d_k + d_v) + pairs * block * (d_k + d_v)
-    return {"flops": heads_total * flops, "hbm_bytes": heads_total * elements * dtype_bytes, "pairs": pairs}
-
-
-def figure3_benchmark(seq_lens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072), heads: int = 16,
-                      head_dim: int = 128, batch: int = 1, dtype=torch.bfloat16, progress=print) -> dict:
-    """The paper's Figure 3 on this GPU: runtime and peak extra memory of the forward and the backward pass
-    against the sequence length T for LA-1 (this module), LA-2 literal (``la2_literal``), LA-2 fast
-    (``la2_fast``, the backend's kernels) and softmax (``scaled_dot_product_attention``, causal). (Chapter 08.)
-
-    Batch and heads are fixed, so LA-2 grows linearly in T and the other two quadratically. Times are
-    ``triton.testing.do_bench`` medians in ms: "fwd" is the forward alone, "bwd" the backward alone (for
-    our kernels: the backward launches; for softmax: autograd's backward, replayed on a retained graph). Memory is torch.cuda's peak allocation above the inputs, in MiB,
-    for the forward alone and for forward + backward. Returns {"copy_bandwidth_GBps", "results": [...]}.
-    """
-    import math
-
-    from triton.testing import do_bench
-
-    from . import VARIANTS, kernel_config
-    from .la2_literal import la2_literal_backward, la2_literal_forward
-
-    if not torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("figure3_benchmark times GPU kernels: it needs CUDA and TRITON_INTERPRET unset")
-    dev = "cuda"
-    # Device-to-device copy bandwidth (bytes read + written), the HBM ceiling the floors are divided by.
-    buf = torch.empty(2**30 // 2, dtype=torch.float16, device=dev)
-    out = torch.empty_like(buf)
-    copy_ms = do_bench(lambda: out.copy_(buf), return_mode="median")
-    copy_gbps = 2 * buf.numel() * 2 / (copy_ms * 1e-3) / 1e9
-    progress({"copy_bandwidth_GBps": copy_gbps})
-    del buf, out
-    # ALiBi-style per-head decays, lambda_h = exp(-2^(-8 (h+1) / H)), all in (0, 1).
-    decay = torch.tensor([math.exp(-(2 ** (-8 * (h + 1) / heads))) for h in range(heads)])
-    log2_decay = torch.log2(decay).to(torch.float32).to(dev)
-
-    def la2_fwd(q, k, v):
-        return la2_literal_forward(q, k, v, log2_decay)[0]
-
-    def la2_bwd(q, k, v, do):
-        return la2_literal_backward(q, k, v, do, log2_decay)
-
-    def sdpa_fwd(q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    fast_fwd, fast_bwd = VARIANTS["la2_fast"]
-    cfg = kernel_config(head_dim, head_dim, dtype)
-    methods = {
-        "la1": (lambda q, k, v: la1_forward(q, k, v, decay), lambda q, k, v, do: la1_backward(q, k, v, do, decay)),
-        "la2_literal": (la2_fwd, la2_bwd),
-        "la2_fast": (lambda q, k, v: fast_fwd(q, k, v, log2_decay, None, **cfg)[0],
-                     lambda q, k, v, do: fast_bwd(q, k, v, do, log2_decay, None, None, **cfg)),
-        "softmax": (sdpa_fwd, None),
-    }
-    results = []
-    for T in seq_lens:
-        shape = (batch, heads, T, head_dim)
-        q, k, v, do = (torch.randn(shape, device=dev, dtype=dtype) for _ in range(4))
-        for name, (fwd, bwd) in methods.items():
-            row = {"method": name, "T": T, "batch": batch, "heads": heads, "D": head_dim, "dtype": str(dtype).split(".")[-1]}
-            try:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                if bwd is None:  # softmax: autograd
-                    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-                    base = torch.cuda.memory_allocated()
-                    torch.cuda.reset_peak_memory_stats()
-                    o = fwd(qg, kg, vg)
-                    torch.cuda.synchronize()
-                    row["fwd_peak_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-                    o.backward(do)
-                    torch.cuda.synchronize()
-                    row["fwdbwd_peak_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-                    del o
-                    with torch.no_grad():
-                        row["fwd_ms"] = do_bench(lambda: fwd(q, k, v), return_mode="median")
-                    o = fwd(qg, kg, vg)
-                    row["bwd_ms"] = do_bench(lambda: o.backward(do, retain_graph=True), return_mode="median",
-                                             grad_to_none=[qg, kg, vg])
-                    del o, qg, kg, vg
-                else:
-                    o = fwd(q, k, v)
-                    torch.cuda.synchronize()
-                    row["fwd_peak_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-                    grads = bwd(q, k, v, do)
-                    torch.cuda.synchronize()
-                    row["fwdbwd_peak_MiB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-                    del o, grads
-                    row["fwd_ms"] = do_bench(lambda: fwd(q, k, v), return_mode="median")
-                    row["bwd_ms"] = do_bench(lambda: bwd(q, k, v, do), return_mode="median")
-            except torch.cuda.OutOfMemoryError:
-                row["error"] = "out of memory"
-            results.append(row)
-            progress(row)
-        del q, k, v, do
-    return {"copy_bandwidth_GBps": copy_gbps, "results": results}
-
-
-if __name__ == "__main__":  # python -m lightning_edu.triton_kernels.la1 OUT.json  (on a GPU machine)
-    import datetime
-    import json
-    import platform
-    import subprocess
-    import sys
-
-    target = sys.argv[1] if len(sys.argv) > 1 else "figure3.json"
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:  # pragma: no cover - no nvidia-smi
-        driver = "unknown"
-    record = {
-        "machine": f"{torch.cuda.get_device_name()} ({platform.node()})",
-        "command": "python -m lightning_edu.triton_kernels.la1 " + target.rsplit("/", 1)[-1],
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__, "triton": triton.__version__, "driver": driver,
-        "copy_bandwidth_GBps": None, "results": [],
-    }
-
-    def save(row):  # rewrite after every row, so a run cut short still leaves what it measured
-        print(row, flush=True)
-        if "copy_bandwidth_GBps" in row:
-            record["copy_bandwidth_GBps"] = row["copy_bandwidth_GBps"]
-        else:
-            record["results"].append(row)
-        with open(target, "w") as f:
-            json.dump(record, f, indent=1)
-
-    figure3_benchmark(progress=save)
-    print("wrote", target)
+    # A decay tensor that requires grad is refused here (no kernel computes dL/dlambda), never silently detached.
+    return LA1Function.apply(q, k, v, validate_decay(decay), validate_block_size(block_size))
