@@ -126,3 +126,21 @@ def test_unrecognised_mistake_names_the_first_wrong_block():
 
     with pytest.raises(ExerciseError, match="block 2 \\(rows 14-20\\)"):
         ch06.check_inter_block_outputs(inter_off_in_block_2)
+
+
+def test_nan_answers_get_a_message_not_an_index_error():
+    # A NaN compares as equal to nothing: both checkers once crashed with IndexError looking for the first
+    # wrong block. Now NaN counts as wrong, and the message names where it starts.
+    def scan_nan_from_block_2(local, block_decay, initial):
+        states = scan_right(local, block_decay, initial).clone()
+        states[:, :, 2:] = float("nan")
+        return states
+
+    with pytest.raises(ExerciseError, match="state 2 \\(the one entering block 2\\) differs first"):
+        ch06.check_state_scan(scan_nan_from_block_2)
+
+    def inter_all_nan(qb, states, lam):
+        return torch.full_like(inter_right(qb, states, lam), float("nan"))
+
+    with pytest.raises(ExerciseError, match="contains NaN"):
+        ch06.check_inter_block_outputs(inter_all_nan)

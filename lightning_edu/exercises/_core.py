@@ -6,7 +6,7 @@ import numpy as np
 
 from ..checks import to_numpy
 
-__all__ = ["ExerciseError", "expect_shape", "expect_close", "passed"]
+__all__ = ["ExerciseError", "expect_shape", "expect_close", "passed", "wrong_rows"]
 
 
 class ExerciseError(AssertionError):
@@ -27,6 +27,20 @@ def expect_shape(name: str, got, expected_shape) -> np.ndarray:
     return arr
 
 
+def wrong_rows(got, ref, *, rtol: float = 1e-9, axis: int = -2) -> np.ndarray:
+    """Indices along ``axis`` (the sequence, or the block axis) where ``got`` differs from ``ref``: by more than
+    ``rtol`` times the largest |ref|, or where ``got`` is not finite (a NaN compares as equal to nothing).
+
+    The one way every checker locates its first (or, for a reverse sweep, last) wrong row or block.
+    """
+    got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    scale = max(float(np.max(np.abs(ref))), 1e-300) if ref.size else 1.0
+    with np.errstate(invalid="ignore"):
+        bad = ~(np.abs(got - ref) <= rtol * scale)  # NaN and inf fail the comparison, so they count as wrong
+    bad = np.moveaxis(bad, axis, 0)
+    return np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))
+
+
 def expect_close(name: str, got, ref, *, rtol: float = 1e-9, axis: int = -2, block_size: int | None = None, hint: str = "") -> np.ndarray:
     """Raise unless ``got`` matches ``ref`` to relative error ``rtol``; locate the first wrong rows.
 
@@ -37,10 +51,9 @@ def expect_close(name: str, got, ref, *, rtol: float = 1e-9, axis: int = -2, blo
     if np.isnan(arr).any():
         raise ExerciseError(f"{name} contains NaN" + (f" ({hint})" if hint else ""))
     scale = max(float(np.max(np.abs(ref))), 1e-300) if ref.size else 1.0
-    bad = np.abs(arr - ref) > rtol * scale
-    if not bad.any():
+    rows = wrong_rows(arr, ref, rtol=rtol, axis=axis)
+    if not rows.size:
         return arr
-    rows = np.flatnonzero(np.moveaxis(bad, axis, 0).reshape(bad.shape[axis], -1).any(axis=1))
     first = int(rows[0])
     where = f"rows {first}..{int(rows[-1])} ({len(rows)} of {ref.shape[axis]} wrong)"
     if block_size:

@@ -12,7 +12,7 @@ import numpy as np
 from ..checks import random_qkv, relative_error
 from ..numpy_blockwise import block_slices, blockwise_forward
 from ..numpy_reference import causal_linear_masked, causal_linear_recurrent
-from ._core import ExerciseError, expect_close, expect_shape, passed
+from ._core import ExerciseError, expect_close, expect_shape, passed, wrong_rows
 
 __all__ = ["check_intra_block", "check_state_update", "check_blockwise_attention"]
 
@@ -135,8 +135,8 @@ def check_blockwise_attention(blockwise_attention) -> bool:
                 wrong = _known_mistake(q, k, v, lam, block, **variant)
                 if relative_error(got, wrong) <= 1e-10:
                     raise ExerciseError(f"{name} is wrong from block {1 if not variant['update_first'] else 0} on: {message}")
-        first = int(np.flatnonzero(np.abs(got - ref).max(axis=1) > 1e-10 * np.abs(ref).max())[0]) if np.isfinite(got).all() else None
-        if first is not None and first < block:
+        rows = wrong_rows(got, ref, rtol=1e-10, axis=0)
+        if rows.size and rows[0] < block:
             hint = "block 0 has no carried state, so this is the intra part: check M and the masked product"
         else:
             hint = (

@@ -18,7 +18,7 @@ import numpy as np
 from ..checks import random_qkv
 from ..numpy_blockwise import blockwise_forward
 from ..numpy_reference import decay_mask
-from ._core import ExerciseError, expect_close, expect_shape, passed
+from ._core import ExerciseError, expect_close, expect_shape, passed, wrong_rows
 
 __all__ = ["check_decay_tile", "check_inter_block_kernel", "tolerance"]
 
@@ -116,8 +116,7 @@ def check_inter_block_kernel(forward_kernel, block: int = 16) -> bool:
             raise _launch_error("forward_kernel", exc) from exc
         case = f"(batch {batch}, heads {heads}, n {n}, d_k {d_k}, d_v {d_v}, lambda {decay})"
         got_o = expect_shape("O", o, o_ref.shape)
-        scale = np.abs(o_ref).max()
-        bad_rows = np.flatnonzero((np.abs(got_o - o_ref) > rtol * scale).any(axis=(0, 1, 3)) | np.isnan(got_o).any(axis=(0, 1, 3)))
+        bad_rows = wrong_rows(got_o, o_ref, rtol=rtol, axis=2)
         kv_ok = np.allclose(kv.cpu().double().numpy(), kv_ref, rtol=0, atol=rtol * np.abs(kv_ref).max())
         if bad_rows.size:
             first_block = int(bad_rows[0]) // block

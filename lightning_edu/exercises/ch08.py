@@ -12,7 +12,7 @@ import numpy as np
 
 from ..checks import random_qkv
 from ..numpy_blockwise import blockwise_backward
-from ._core import ExerciseError, expect_shape, passed
+from ._core import ExerciseError, expect_shape, passed, wrong_rows
 from .ch07 import _device, _launch_error, tolerance
 
 __all__ = ["check_reverse_sweep_kernel", "check_la1_dq_kernel"]
@@ -26,8 +26,7 @@ _SHAPES = [  # (batch, heads, n, d_k, d_v, decays)
 
 def _first_wrong_block_from_the_end(got: np.ndarray, ref: np.ndarray, block: int, rtol: float):
     """The block the reverse sweep reaches first among the wrong ones (the highest index), or None."""
-    bad = (np.abs(got - ref) > rtol * np.abs(ref).max()) | np.isnan(got)
-    rows = np.flatnonzero(bad.any(axis=(0, 1, 3)))
+    rows = wrong_rows(got, ref, rtol=rtol, axis=2)
     return None if rows.size == 0 else int(rows[-1]) // block
 
 
@@ -111,8 +110,7 @@ def check_la1_dq_kernel(dq_kernel, block: int = 16) -> bool:
         except Exception as exc:
             raise _launch_error("dq_kernel", exc) from exc
         got = expect_shape("dq", dq, dq_ref.shape)
-        bad = (np.abs(got - dq_ref) > rtol * np.abs(dq_ref).max()) | np.isnan(got)
-        rows = np.flatnonzero(bad.any(axis=(0, 1, 3)))
+        rows = wrong_rows(got, dq_ref, rtol=rtol, axis=2)
         if rows.size == 0:
             continue
         blk = int(rows[0]) // block
