@@ -3,9 +3,10 @@
 Each rung (numpy -> torch -> triton) holds several forms of the same function, per batch and head
 ``KV_t = lambda KV_{t-1} + k_t^T v_t``, ``o_t = q_t KV_t``. Each form is one :class:`Implementation`
 record saying what it supports (dtypes, head dims, initial and final state, a backward), which
-implementation one rung down it is checked against, and how it is benchmarked. The public API
-(:mod:`lightning_edu.api`), the benchmark (:mod:`lightning_edu.perf.bench`), the tests and the chapters
-iterate over :data:`IMPLEMENTATIONS`; nothing parses names.
+implementation (on its rung or one rung down) it is checked against, and its benchmark defaults. The
+public API (:mod:`lightning_edu.api`) dispatches through it and the tests (``tests/test_registry.py``)
+iterate over :data:`IMPLEMENTATIONS`; the GPU benchmark (:mod:`lightning_edu.perf.bench`) still lists its
+methods itself.
 
 Every record's ``forward`` and ``backward`` take arguments that :mod:`lightning_edu.validation` has already
 checked (an :class:`~lightning_edu.validation.AttentionArgs`), so nothing validates twice:
