@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .checks import relative_error
+from .checks import relative_error, to_numpy
 
 __all__ = ["SIZES", "DECAYS", "ERROR_BOUNDS", "measure_error", "factor_rounding_error"]
 
@@ -76,15 +76,7 @@ def measure_error(backend: str, dtype: str, n: int, decays=DECAYS, *, d: int = 1
             o = lightning_attention(*t, decays, backend=backend, block_size=block_size)
         rounded = [x.cpu().double().numpy() for x in t]
     ref = lightning_attention(*rounded, decays, backend="numpy")
-    return np.array([relative_error(_to64(o)[:, h], ref[:, h]) for h in range(len(decays))])
-
-
-def _to64(x) -> np.ndarray:
-    if hasattr(x, "detach"):
-        import torch
-
-        return x.detach().to("cpu", torch.float64).numpy()
-    return np.asarray(x, dtype=np.float64)
+    return np.array([relative_error(to_numpy(o)[:, h], ref[:, h]) for h in range(len(decays))])
 
 
 def factor_rounding_error(decay: float, power: int) -> dict:

@@ -87,6 +87,7 @@ class Implementation:
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {}
+_BACKENDS: dict[str, Implementation] = {}  # rung -> its backend implementation, filled by register()
 
 
 def register(impl: Implementation) -> Implementation:
@@ -97,9 +98,11 @@ def register(impl: Implementation) -> Implementation:
         raise ValueError(f"rung must be one of {RUNGS}, got {impl.rung!r} for {impl.name!r}")
     if impl.checked_against is not None and impl.checked_against not in IMPLEMENTATIONS:
         raise ValueError(f"{impl.name!r} is checked against {impl.checked_against!r}, which is not registered (yet)")
-    if impl.backend and any(other.backend and other.rung == impl.rung for other in IMPLEMENTATIONS.values()):
+    if impl.backend and impl.rung in _BACKENDS:
         raise ValueError(f"rung {impl.rung!r} already has a backend implementation")
     IMPLEMENTATIONS[impl.name] = impl
+    if impl.backend:
+        _BACKENDS[impl.rung] = impl
     return impl
 
 
@@ -116,8 +119,7 @@ def by_rung(rung: str) -> list[Implementation]:
 
 def backend_for(rung: str) -> Implementation:
     """What ``lightning_attention(..., backend=rung)`` runs."""
-    (impl,) = [i for i in IMPLEMENTATIONS.values() if i.rung == rung and i.backend]
-    return impl
+    return _BACKENDS[rung]
 
 
 def check_supports(impl: Implementation, args: AttentionArgs, *, backward: bool = False,

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from lightning_edu import lightning_attention, lightning_attention_backward
 from lightning_edu import numpy_reference as nr
 from lightning_edu import torch_chunked as tc
+from lightning_edu.checks import to_numpy
 from lightning_edu.triton_kernels import VARIANTS, log2_decay_tensor
 from lightning_edu.triton_kernels.la1 import la1_backward, la1_forward
 
@@ -68,18 +69,14 @@ def expected_nonfinite(where: str, b: int, h: int, s: int, c: int, shapes: dict)
 # Inputs arrive as float64 numpy arrays; each runner converts them to what it takes.
 
 
-def _np64(x):
-    return x.detach().to("cpu", torch.float64).numpy() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.float64)
-
-
 def _named(o=None, state=None, grads=None):
     out = {}
     if o is not None:
-        out["o"] = _np64(o)
+        out["o"] = to_numpy(o)
     if state is not None:
-        out["state"] = _np64(state)
+        out["state"] = to_numpy(state)
     if grads is not None:
-        out.update({name: _np64(g) for name, g in zip(("dq", "dk", "dv", "ds0"), grads) if g is not None})
+        out.update({name: to_numpy(g) for name, g in zip(("dq", "dk", "dv", "ds0"), grads) if g is not None})
     return out
 
 
@@ -125,9 +122,9 @@ def run_torch_forms(q, k, v, do, s0, dsn, decay, block):
     o, sn = tc.loop_forward(*t[:3], decay, block, initial_state=t[3])
     for other, _ in (tc.recurrent_forward(*t[:3], decay, initial_state=t[3]),
                      tc.chunked_forward(*t[:3], decay, block, initial_state=t[3], scan="log")):
-        assert np.array_equal(np.isfinite(_np64(other)), np.isfinite(_np64(o)))
-    plain = np.isfinite(_np64(tc.recurrent_forward(*t[:3], decay)[0]))
-    assert np.array_equal(np.isfinite(_np64(tc.masked_forward(*t[:3], decay))), plain)
+        assert np.array_equal(np.isfinite(to_numpy(other)), np.isfinite(to_numpy(o)))
+    plain = np.isfinite(to_numpy(tc.recurrent_forward(*t[:3], decay)[0]))
+    assert np.array_equal(np.isfinite(to_numpy(tc.masked_forward(*t[:3], decay))), plain)
     return _named(o, sn)
 
 

@@ -15,7 +15,7 @@ import torch
 from ..triton_kernels import VARIANTS, kernel_config, log2_decay_tensor
 from ..triton_kernels.la1 import la1_backward, la1_forward
 from ..triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
-from .bench import head_decays
+from .bench import copy_bandwidth, head_decays
 from .environment import environment_record
 
 __all__ = ["figure3_benchmark"]
@@ -38,12 +38,8 @@ def figure3_benchmark(seq_lens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131
         raise RuntimeError("figure3_benchmark times GPU kernels: it needs CUDA and TRITON_INTERPRET unset")
     dev = "cuda"
     # Device-to-device copy bandwidth (bytes read + written), the HBM ceiling the floors are divided by.
-    buf = torch.empty(2**30 // 2, dtype=torch.float16, device=dev)
-    out = torch.empty_like(buf)
-    copy_ms = do_bench(lambda: out.copy_(buf), return_mode="median")
-    copy_gbps = 2 * buf.numel() * 2 / (copy_ms * 1e-3) / 1e9
+    copy_gbps = copy_bandwidth() / 1e9
     progress({"copy_bandwidth_GBps": copy_gbps})
-    del buf, out
     decay = head_decays(heads)  # the benchmark's per-head schedule (bench.head_decays)
     log2_decay = log2_decay_tensor(decay, dev)
 

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from ._tiles import interpreted
+from ._tiles import upcast_for_interpreter
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
 
@@ -52,12 +52,6 @@ VARIANTS = {
 }
 
 
-def _upcast_for_interpreter(*xs):
-    """bfloat16 tensors bound for Triton's CPU interpreter, as float32 (the interpreter computes bf16 wrongly);
-    everything else (CUDA tensors, other dtypes, None) as given."""
-    return tuple(x.float() if x is not None and x.dtype == torch.bfloat16 and interpreted(x) else x for x in xs)
-
-
 def log2_decay_tensor(decay, device) -> torch.Tensor:
     """log2(lambda) per head as float32 on ``device`` (0 exactly for lambda = 1)."""
     return torch.tensor([math.log2(float(x)) for x in decay], dtype=torch.float32, device=device)
@@ -76,7 +70,7 @@ class TritonLightningAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # an unused final state must not cost a zero-gradient pass
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         q, k, v = (x.contiguous() for x in (q, k, v))
-        qc, kc, vc = _upcast_for_interpreter(q, k, v)
+        qc, kc, vc = upcast_for_interpreter(q, k, v)
         cfg = kernel_config(q.shape[-1], v.shape[-1], qc.dtype, block_size)
         o, sn, (seg_len, incoming) = la2_fast_forward(qc, kc, vc, log2_decay, initial_state, save_states=True, **cfg)
         ctx.save_for_backward(q, k, v, log2_decay, initial_state, incoming)  # as given: upcast again if needed
@@ -88,8 +82,8 @@ class TritonLightningAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, d_sn):
         q, k, v, log2_decay, initial_state, incoming = ctx.saved_tensors
-        q, k, v = _upcast_for_interpreter(q, k, v)
-        do = torch.zeros_like(v) if do is None else _upcast_for_interpreter(do.contiguous())[0]
+        q, k, v = upcast_for_interpreter(q, k, v)
+        do = torch.zeros_like(v) if do is None else upcast_for_interpreter(do.contiguous())[0]
         dq, dk, dv, ds0 = la2_fast_backward(
             q, k, v, do, log2_decay, initial_state if ctx.has_state else None, d_sn, saved=(ctx.seg_len, incoming),
             **ctx.cfg,

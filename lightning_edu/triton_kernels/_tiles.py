@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "pad_dim", "dot_precision", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid", "dropped",
+    "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid", "dropped",
     "apply_decay", "finite_operand", "poison", "stored_nonfinite", "clear_flag", "flag_nonfinite",
 ]
 
@@ -83,6 +83,12 @@ def exact_pass_grid(programs: int, device) -> tuple[tuple[int], int]:
     scanning SCAN flags (a power of two, at least 16) with one vector load and redoing the flagged ones."""
     scan = max(16, triton.next_power_of_2(-(-programs // sm_count(device))))
     return (triton.cdiv(programs, scan),), scan
+
+
+def upcast_for_interpreter(*xs):
+    """bfloat16 tensors bound for Triton's CPU interpreter, as float32 (the interpreter computes bf16 wrongly);
+    everything else (CUDA tensors, other dtypes, None) as given."""
+    return tuple(x.float() if x is not None and x.dtype == torch.bfloat16 and interpreted(x) else x for x in xs)
 
 
 def refuse_interpreted_bf16(who: str, *tensors) -> None:

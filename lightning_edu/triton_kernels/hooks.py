@@ -8,30 +8,21 @@ results back (the interpreter's own bf16 arithmetic is wrong); on a GPU bf16 run
 
 from __future__ import annotations
 
-import torch
-
 from . import kernel_config, log2_decay_tensor, triton_attention
-from ._tiles import interpreted
+from ._tiles import upcast_for_interpreter
 from .la1 import la1_backward, la1_forward
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
 
 __all__ = [
     "la1_from_args", "la1_backward_from_args", "la2_literal_from_args", "la2_literal_backward_from_args",
-    "la2_fast_from_args", "la2_fast_backward_from_args", "la2_fast_forward_backward",
+    "la2_fast_from_args", "la2_fast_backward_from_args",
 ]
 
 
-def _tensors(args, *xs):
+def _tensors(*xs):
     """Contiguous, and float32 where a bfloat16 tensor would meet the CPU interpreter."""
-    out = []
-    for x in xs:
-        if x is None:
-            out.append(None)
-            continue
-        x = x.contiguous()
-        out.append(x.float() if x.dtype == torch.bfloat16 and interpreted(x) else x)
-    return out
+    return upcast_for_interpreter(*(None if x is None else x.contiguous() for x in xs))
 
 
 def _back(x, like):
@@ -40,25 +31,25 @@ def _back(x, like):
 
 def la1_from_args(args, **options):
     """LA-1 forward: (o, None); it has no state."""
-    q, k, v = _tensors(args, args.q, args.k, args.v)
+    q, k, v = _tensors(args.q, args.k, args.v)
     return _back(la1_forward(q, k, v, args.decay, args.block_size), args.v), None
 
 
 def la1_backward_from_args(args, d_final_state=None, **options):
-    q, k, v, do = _tensors(args, args.q, args.k, args.v, args.do)
+    q, k, v, do = _tensors(args.q, args.k, args.v, args.do)
     dq, dk, dv = la1_backward(q, k, v, do, args.decay, args.block_size)
     return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), None
 
 
 def la2_literal_from_args(args, **options):
-    q, k, v = _tensors(args, args.q, args.k, args.v)
+    q, k, v = _tensors(args.q, args.k, args.v)
     o, sn = la2_literal_forward(q, k, v, log2_decay_tensor(args.decay, q.device), args.initial_state,
                                 block=args.block_size or 64)
     return _back(o, args.v), sn
 
 
 def la2_literal_backward_from_args(args, d_final_state=None, **options):
-    q, k, v, do = _tensors(args, args.q, args.k, args.v, args.do)
+    q, k, v, do = _tensors(args.q, args.k, args.v, args.do)
     dq, dk, dv, ds0 = la2_literal_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
                                            d_final_state, block=args.block_size or 64)
     return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), ds0
@@ -77,7 +68,7 @@ def la2_fast_from_args(args, segments: bool = True, reuse_states: bool = True, f
     sub-variants (no segments, no state reuse, fused dK/dV) launch the same kernels with other options."""
     if segments and reuse_states and not fused_dkdv:
         return triton_attention(args.q, args.k, args.v, args.decay, args.initial_state, args.block_size)
-    q, k, v = _tensors(args, args.q, args.k, args.v)
+    q, k, v = _tensors(args.q, args.k, args.v)
     cfg, _ = _la2_fast_config(args, q, segments, fused_dkdv)
     o, sn = la2_fast_forward(q, k, v, log2_decay_tensor(args.decay, q.device), args.initial_state, **cfg)
     return _back(o, args.v), sn
@@ -85,22 +76,8 @@ def la2_fast_from_args(args, segments: bool = True, reuse_states: bool = True, f
 
 def la2_fast_backward_from_args(args, d_final_state=None, segments: bool = True, reuse_states: bool = True,
                                 fused_dkdv: bool = False, **options):
-    q, k, v, do = _tensors(args, args.q, args.k, args.v, args.do)
+    q, k, v, do = _tensors(args.q, args.k, args.v, args.do)
     cfg, extra = _la2_fast_config(args, q, segments, fused_dkdv)
     dq, dk, dv, ds0 = la2_fast_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
                                         d_final_state, **cfg, **extra)
     return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), ds0
-
-
-def la2_fast_forward_backward(args, log2_decay=None, segments: bool = True, reuse_states: bool = True,
-                              fused_dkdv: bool = False, **options):
-    """Forward then backward as a training step runs them (the benchmark's forward + backward): with
-    ``reuse_states`` the forward saves its segment states for the backward's dQ pass."""
-    q, k, v, do = _tensors(args, args.q, args.k, args.v, args.do)
-    cfg, extra = _la2_fast_config(args, q, segments, fused_dkdv)
-    l2 = log2_decay_tensor(args.decay, q.device) if log2_decay is None else log2_decay
-    if reuse_states:
-        _, _, saved = la2_fast_forward(q, k, v, l2, args.initial_state, save_states=True, **cfg)
-        return la2_fast_backward(q, k, v, do, l2, args.initial_state, None, saved=saved, **cfg, **extra)
-    la2_fast_forward(q, k, v, l2, args.initial_state, **cfg)
-    return la2_fast_backward(q, k, v, do, l2, args.initial_state, None, **cfg, **extra)
