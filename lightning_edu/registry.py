@@ -162,6 +162,9 @@ register(Implementation(
 register(Implementation(
     "numpy.blockwise", "numpy", "04-05", "Algorithms 1 and 2, block by block",
     f"{_NB}:algorithm1", f"{_NB}:algorithm2", checked_against="numpy.recurrent", backend=True))
+register(Implementation(
+    "numpy.la3", "numpy", "09", "the recompute-heavy backward: micro-chunk tiles, never a C x C matrix",
+    f"{_NB}:algorithm1", "lightning_edu.numpy_la3:micro_schedule", checked_against="numpy.blockwise"))
 
 # Rung 2: PyTorch, vectorised, differentiable.
 _TORCH_DTYPES = ("float64", "float32", "float16", "bfloat16")
@@ -212,3 +215,7 @@ register(Implementation(
     "triton.la2_fast.fused_dkdv", "triton", "08", "la2_fast with dK and dV fused in one reverse kernel (measured slower)",
     f"{_TK}:la2_fast_from_args", f"{_TK}:la2_fast_backward_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256,
     checked_against="torch.chunked", options={"fused_dkdv": True}, bench={}))
+register(Implementation(
+    "triton.la3", "triton", "09", "the recompute-heavy backward: dK and dV from micro-chunk tiles in one reverse sweep",
+    f"{_TK}:la2_fast_from_args", f"{_TK}:la3_backward_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256,
+    checked_against="torch.chunked", bench={}))

@@ -1,11 +1,21 @@
-"""The benchmark harness's bookkeeping, on the CPU: timing needs a GPU, the arithmetic around it does not."""
+"""The benchmark harness on the CPU: timing needs a GPU, the arithmetic around it and the method table do not.
 
+The table is built from the registry, so its methods run here too, in Triton's CPU interpreter on tiny inputs.
+"""
+
+import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
+import lightning_edu as le
+from lightning_edu import registry, validation
+from lightning_edu.checks import relative_error
 from lightning_edu.perf import bench
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_hbm_floor_counts_four_tensors_forward_and_seven_backward():
@@ -41,3 +51,96 @@ def test_measure_reports_time_and_peak_beyond_the_outputs(monkeypatch):
     row = bench._measure(lambda *a: (run(500), run(2000)), q, q, q, [1.0], q)
     assert row == {"fwd_ms": 2.5, "fwd_peak_extra_bytes": 500 - 128,
                    "fwdbwd_ms": 2.5, "fwdbwd_peak_extra_bytes": 2000 - 3 * 128}
+
+
+# ------------------------------------------------------------------------------------------------------
+# The method table comes from the registry: one method per benchmarked Triton record, none from a name.
+
+def _benchmarked_triton_records():
+    return [impl for impl in registry.IMPLEMENTATIONS.values() if impl.rung == "triton" and impl.bench is not None]
+
+
+def test_every_benchmarked_triton_record_has_a_method():
+    ours = {m.implementation: name for name, m in bench.METHODS.items() if m.implementation is not None}
+    for impl in _benchmarked_triton_records():
+        name = "triton" if impl is registry.backend_for("triton") else impl.name
+        assert ours.get(impl.name) == name, f"{impl.name} has no benchmark method named {name!r}"
+        assert bench.METHODS[name].max_T == impl.bench.get("max_T")
+    assert ours["torch.chunked"] == "torch"  # the torch backend, beside the anchors
+    skipped = [i.name for i in registry.IMPLEMENTATIONS.values() if i.rung == "triton" and i.bench is None]
+    assert not set(skipped) & set(ours)
+
+
+def test_method_table_reads_records_not_names():
+    # Names that no rule could parse: the table follows the records' fields only.
+    fake = {
+        "triton.zz": registry.Implementation("triton.zz", "triton", "07", "a", "m:f", "m:g", bench={"max_T": 7}),
+        "la2_fast_anything": registry.Implementation("la2_fast_anything", "triton", "07", "b", "m:f", bench=None),
+        "triton.main": registry.Implementation("triton.main", "triton", "07", "c", "m:f", "m:g", backend=True,
+                                               differentiable=True, bench={}),
+        "torch.x": registry.Implementation("torch.x", "torch", "06", "d", "m:f", bench={}),
+    }
+    methods = bench.registry_methods(fake)
+    assert list(methods) == ["triton", "triton.zz"]  # the backend first, named by its rung
+    assert methods["triton"].implementation == "triton.main"
+    assert methods["triton.zz"].max_T == 7
+    typo = {"triton.t": registry.Implementation("triton.t", "triton", "07", "e", "m:f", bench={"maxT": 7})}
+    with pytest.raises(ValueError, match="maxT"):
+        bench.registry_methods(typo)
+
+
+def test_recorded_names_map_to_current_methods():
+    assert set(bench.RECORDED_NAMES.values()) <= set(bench.METHODS)
+    recorded = sorted((ROOT / "notebooks" / "data").glob("bench_*.json"))
+    assert recorded, "no recorded benchmark to read"
+    for path in recorded:
+        data = bench.with_current_names(json.loads(path.read_text()))
+        names = {r["method"] for r in data["results"]} | set(data["correctness_rel_err"]) | set(data["unavailable"])
+        assert names <= set(bench.METHODS), f"{path.name}: {sorted(names - set(bench.METHODS))}"
+
+
+def test_cli_takes_recorded_names_and_refuses_unknown_ones(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(SystemExit, match="refusing to time"):  # every name known: on to the GPU check
+        bench.main(["--methods", "triton", "la2_fast_noseg", "triton.la1", "fla_chunk"])
+    with pytest.raises(SystemExit):
+        bench.main(["--methods", "triton", "la2_fast_sideways"])
+    assert "unknown method(s) la2_fast_sideways" in capsys.readouterr().err
+
+
+def _tiny(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(1, 2, 20, 16, generator=g).to(dtype) for _ in range(4))
+    return q, k, v, do, bench.head_decays(2)
+
+
+@pytest.mark.parametrize("name", [n for n, m in bench.METHODS.items() if m.implementation is not None])
+def test_registry_methods_compute_the_function_on_the_cpu(name):
+    q, k, v, do, decay = _tiny()
+    fwd, fwdbwd = bench.METHODS[name].make(q, k, v, decay, do)
+    arrays = [x.double().numpy() for x in (q, k, v, do)]
+    o_ref = le.lightning_attention(*arrays[:3], decay, backend="numpy")
+    grads_ref = le.lightning_attention_backward(*arrays, decay, backend="numpy")
+    tol = registry.TOLERANCES["float32"]
+    assert relative_error(fwd(), o_ref) < tol
+    for got, ref, what in zip(fwdbwd(), grads_ref, ("dq", "dk", "dv")):
+        assert relative_error(got, ref) < tol, what
+    assert relative_error(fwd(), o_ref) < tol  # the callables run again: do_bench calls them many times
+
+
+@pytest.mark.parametrize("name", ["triton", "triton.la2_literal"])
+def test_timed_callables_do_not_validate(name, monkeypatch):
+    calls = []
+    checked = validation.validate_attention_args
+    monkeypatch.setattr(validation, "validate_attention_args", lambda *a, **kw: calls.append(1) or checked(*a, **kw))
+    q, k, v, do, decay = _tiny()
+    fwd, fwdbwd = bench.METHODS[name].make(q, k, v, decay, do)
+    assert len(calls) == 1
+    fwd(), fwdbwd()
+    assert len(calls) == 1, "validation ran inside a timed callable"
+
+
+def test_method_refuses_what_its_record_does_not_support():
+    q, k, v, do, decay = _tiny(torch.float64)  # the kernels take no float64
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        bench.METHODS["triton.la1"].make(q, k, v, decay, do)

@@ -162,6 +162,7 @@ KERNELS = {
     "la2_literal": _variant_runner("la2_literal"),
     "la2_fast": _variant_runner("la2_fast", seg_len=16),  # several segments: the Horner start is exercised
     "la2_fast fused dK/dV": _variant_runner("la2_fast", seg_len=32, fused_dkdv=True),
+    "la3": _variant_runner("la3", seg_len=32, chunk=32, micro=16),  # two micro-chunks per chunk, several segments
 }
 
 
@@ -205,7 +206,7 @@ def test_nonfinite_reaches_exactly_its_dependents(name, problem):
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-@settings(max_examples=12)  # the CPU interpreter runs each kernel slowly; 12 examples x 5 variants
+@settings(max_examples=12)  # the CPU interpreter runs each kernel slowly; 12 examples x 6 variants
 @given(problem=poisoned_problems())
 def test_nonfinite_reaches_exactly_its_dependents_in_kernels(name, problem):
     _check(KERNELS[name], problem)

@@ -3,11 +3,16 @@
     python -m lightning_edu.perf.bench --out bench.json                   # the chapter 07-08 table
     python -m lightning_edu.perf.bench --tune --out tune.json             # tile sweep of the la2_fast kernels
 
-For every sequence length T and head dim D (H heads, bf16, T * batch = 32K tokens per call) and every method, it reports the forward and forward+backward time (median of
-``triton.testing.do_bench``), tokens/s, peak extra memory and the fraction of the HBM floor: the bytes
-that must move (q, k, v in and o out for the forward; q, k, v, do in and dq, dk, dv out for the backward)
-over the device-to-device copy bandwidth measured in the same run. It refuses to time under Triton's CPU
-interpreter: those numbers would mean nothing.
+For every sequence length T and head dim D (H heads, bf16, T * batch = 32K tokens per call) and every
+method, it reports the forward and forward+backward time (median of ``triton.testing.do_bench``), tokens/s,
+peak extra memory and the fraction of the HBM floor: the bytes that must move (q, k, v in and o out for the
+forward; q, k, v, do in and dq, dk, dv out for the backward) over the device-to-device copy bandwidth
+measured in the same run. It refuses to time under Triton's CPU interpreter: those numbers would mean nothing.
+
+The methods are our kernels, one per Triton record of :mod:`lightning_edu.registry` with benchmark
+defaults (named as in the registry; the backend's column is ``triton``), beside the torch backend and the
+anchors: fla, the original Lightning Attention kernels and PyTorch's softmax attention. Files recorded
+before the registry name our kernels as in :data:`RECORDED_NAMES`; :func:`with_current_names` reads them.
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from .. import registry
 from .environment import environment_record
 
-__all__ = ["hbm_floor_bytes", "head_decays", "main"]
+__all__ = ["hbm_floor_bytes", "head_decays", "Method", "METHODS", "RECORDED_NAMES", "registry_methods", "method_name",
+           "with_current_names", "main"]
 
 
 def hbm_floor_bytes(batch: int, T: int, heads: int, d: int, elem_bytes: int = 2, backward: bool = False) -> int:
@@ -58,41 +67,116 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Methods. Each takes (q, k, v, decay) in our (batch, heads, T, d) layout and returns a callable that runs
-# the forward, and one that runs forward + backward. Layout changes needed by an anchor happen outside
-# the timed region.
+# Methods. Each method's ``make(q, k, v, decay, do)`` takes tensors in our (batch, heads, T, d) layout and
+# the per-head lambdas, and returns a callable that runs the forward and one that runs forward + backward.
+# Checks and layout changes happen in ``make``, outside the timed callables.
 
 
-def _ours(variant: str, **cfg):  # variants of la2_fast are named la2_fast_<how>
-    import torch
+@dataclass(frozen=True)
+class Method:
+    """One column of the benchmark table.
 
-    from ..triton_kernels import VARIANTS, kernel_config, log2_decay_tensor
+    ``implementation`` is the registry name of the implementation it times (None for an anchor: a library
+    a user would otherwise call); ``same_function`` is False for softmax attention, which computes another
+    function, so there is no output to compare; ``max_T`` skips the longer sequences (from the registry's
+    ``bench`` defaults, e.g. the quadratic LA-1).
+    """
 
-    forward, backward = VARIANTS["la2_fast" if variant.startswith("la2_fast") else variant]
+    name: str
+    make: Callable
+    implementation: str | None = None
+    same_function: bool = True
+    max_T: int | None = None
+
+
+# Names that recorded files (notebooks/data/bench_*.json) and their commands use for our kernels, and the
+# registry names they stand for today. The one place an old name is translated; no name is ever parsed.
+RECORDED_NAMES = {
+    "la1": "triton.la1",
+    "la2_literal": "triton.la2_literal",
+    "la2_fast_noseg": "triton.la2_fast.one_segment",
+    "la2_fast_nosave": "triton.la2_fast.no_state_reuse",
+    "la2_fast_fused_bwd": "triton.la2_fast.fused_dkdv",
+}
+
+BENCH_KEYS = {"max_T"}  # what a registry record's ``bench`` defaults may say
+
+
+def method_name(name: str) -> str:
+    """The current name of a method, given a current name or one from :data:`RECORDED_NAMES`."""
+    return RECORDED_NAMES.get(name, name)
+
+
+def with_current_names(data: dict) -> dict:
+    """A copy of a recorded benchmark (``python -m lightning_edu.perf.bench --out``) under current names."""
+    out = dict(data)
+    out["results"] = [{**r, "method": method_name(r["method"])} if "method" in r else r for r in data["results"]]
+    for key in ("correctness_rel_err", "unavailable"):
+        if key in data:
+            out[key] = {method_name(name): value for name, value in data[key].items()}
+    return out
+
+
+def _registry_method(impl: registry.Implementation) -> Method:
+    """A benchmark method built from one record of :mod:`lightning_edu.registry`.
+
+    A rung's backend is named by its rung (``triton``, ``torch``: what ``lightning_attention(...,
+    backend=...)`` takes, and the name every recorded file gives it); any other record by its registry name.
+    The arguments are checked once in ``make`` (:func:`~lightning_edu.validation.validate_attention_args`,
+    then :func:`~lightning_edu.registry.check_supports`), so the timed callables run the record's hooks
+    and nothing else. The backend is timed the way training calls it: its forward is an autograd Function
+    that keeps each segment's incoming state, and ``o.backward(do)`` hands those to the backward's dQ pass.
+    Every other record runs its forward hook, then its backward hook.
+    """
+    unknown = set(impl.bench) - BENCH_KEYS
+    if unknown:
+        raise ValueError(f"{impl.name!r} has bench defaults {sorted(unknown)}; the benchmark knows "
+                         f"{sorted(BENCH_KEYS)}")
+    if impl.backend and not impl.differentiable:
+        raise ValueError(f"the backend {impl.name!r} must be differentiable to be timed through autograd")
 
     def make(q, k, v, decay, do):
-        l2 = log2_decay_tensor(decay, q.device)
-        c = dict(kernel_config(q.shape[-1], v.shape[-1], q.dtype)) if variant.startswith("la2_fast") else {"block": 64}
-        c.update(cfg)
-        if variant == "la2_fast_noseg":
-            c["seg_len"] = -(-q.shape[2] // c["block"]) * c["block"]
-        bwd_extra = dict(fused_dkdv=True, dkdv_block=64, dkdv_warps=8) if variant == "la2_fast_fused_bwd" else {}
-        # The backend saves the forward's segment states for the backward's dQ pass; "_nosave" measures without.
-        save = variant.startswith("la2_fast") and variant != "la2_fast_nosave"
+        import torch
+
+        from ..validation import validate_attention_args
+
+        if impl.backend:
+            q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        args = validate_attention_args(q, k, v, decay, backend=impl.rung, do=do)
+        registry.check_supports(impl, args, backward=True)
 
         def fwd():
-            return forward(q, k, v, l2, None, **c)[0]
+            if impl.backend:
+                with torch.no_grad():
+                    return impl.forward(args)[0]
+            return impl.forward(args)[0]
 
         def fwdbwd():
-            if save:
-                _, _, saved = forward(q, k, v, l2, None, save_states=True, **c)
-                return backward(q, k, v, do, l2, None, None, saved=saved, **c, **bwd_extra)
-            forward(q, k, v, l2, None, **c)
-            return backward(q, k, v, do, l2, None, None, **c, **bwd_extra)
+            if impl.backend:
+                o, _ = impl.forward(args)
+                o.backward(do)
+                grads = tuple(x.grad for x in (q, k, v))
+                for x in (q, k, v):
+                    x.grad = None
+                return grads
+            impl.forward(args)
+            return impl.backward(args)[:3]
 
         return fwd, fwdbwd
 
-    return make
+    name = impl.rung if impl.backend else impl.name
+    return Method(name, make, implementation=impl.name, max_T=impl.bench.get("max_T"))
+
+
+def registry_methods(implementations=None) -> dict[str, Method]:
+    """A method for every Triton implementation whose ``bench`` defaults are not None, the backend first.
+
+    ``implementations`` defaults to :data:`lightning_edu.registry.IMPLEMENTATIONS` (a name -> record dict).
+    """
+    records = (registry.IMPLEMENTATIONS if implementations is None else implementations).values()
+    ours = [impl for impl in records if impl.rung == "triton" and impl.bench is not None]
+    ours.sort(key=lambda impl: not impl.backend)  # stable: the rest keep the registry's order
+    return {m.name: m for m in map(_registry_method, ours)}
 
 
 def _autograd(fn):
@@ -115,18 +199,6 @@ def _autograd(fn):
         return fwd, fwdbwd
 
     return make_calls
-
-
-def _torch_backend(q, k, v, decay, do):
-    from ..api import lightning_attention
-
-    return _autograd(lambda q, k, v: lightning_attention(q, k, v, decay, backend="torch"))(q, k, v, do)
-
-
-def _la1(q, k, v, decay, do):
-    from ..triton_kernels.la1 import la1_attention
-
-    return _autograd(lambda q, k, v: la1_attention(q, k, v, decay))(q, k, v, do)
 
 
 def _sdpa(backend_name):
@@ -170,21 +242,16 @@ def _original(q, k, v, decay, do):
     return _autograd(lambda a, b, c: lightning_attn_func(a, b, c, s))(q, k, v, do)
 
 
-METHODS = {
-    "triton": _ours("la2_fast"),
-    "la2_fast_noseg": _ours("la2_fast_noseg"),
-    "la2_fast_fused_bwd": _ours("la2_fast_fused_bwd"),
-    "la2_fast_nosave": _ours("la2_fast_nosave"),
-    "la2_literal": _ours("la2_literal"),
-    "la1": _la1,
-    "torch": _torch_backend,
-    "sdpa_flash": _sdpa("FLASH_ATTENTION"),
-    "sdpa_cudnn": _sdpa("CUDNN_ATTENTION"),
-    "fla_chunk": _fla("chunk_simple_gla"),
-    "fla_fused_chunk": _fla("fused_chunk_simple_gla"),
-    "original": _original,
+METHODS: dict[str, Method] = {
+    **registry_methods(),
+    "torch": _registry_method(registry.backend_for("torch")),
+    "sdpa_flash": Method("sdpa_flash", _sdpa("FLASH_ATTENTION"), same_function=False),
+    "sdpa_cudnn": Method("sdpa_cudnn", _sdpa("CUDNN_ATTENTION"), same_function=False),
+    "fla_chunk": Method("fla_chunk", _fla("chunk_simple_gla")),
+    "fla_fused_chunk": Method("fla_fused_chunk", _fla("fused_chunk_simple_gla")),
+    "original": Method("original", _original),
 }
-LINEAR = {"triton", "la2_fast_noseg", "la2_fast_fused_bwd", "la2_fast_nosave", "la2_literal", "la1", "torch", "fla_chunk", "fla_fused_chunk", "original"}
+LINEAR = {name for name, m in METHODS.items() if m.same_function}  # the methods that compute our function
 
 
 def _inputs(batch, heads, T, d, dtype, seed=0):
@@ -196,18 +263,16 @@ def _inputs(batch, heads, T, d, dtype, seed=0):
     return mk(), mk(), mk(), mk()
 
 
-def _correctness(name, make, decay_fn, dtype):
+def _correctness(method: Method, decay_fn, dtype):
     """Relative error of a method's forward against float64 numpy on one small case (same function?)."""
-    import torch
-
     from ..checks import relative_error
     from ..numpy_blockwise import blockwise_forward
 
-    if name.startswith("sdpa"):  # softmax attention: a different function, nothing to compare with
+    if not method.same_function:  # softmax attention: a different function, nothing to compare with
         return None
     q, k, v, do = _inputs(1, 4, 1000, 64, dtype, seed=7)
     decay = decay_fn(4)
-    fwd, _ = make(q, k, v, decay, do)
+    fwd, _ = method.make(q, k, v, decay, do)
     o = fwd()
     if o.shape != v.shape:  # fla returns (batch, T, heads, d)
         o = o.transpose(1, 2)
@@ -251,12 +316,11 @@ def run_table(args) -> dict:
     bw = copy_bandwidth()
     data["copy_bandwidth_bytes_per_s"] = bw
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    methods = [m for m in args.methods if m in METHODS]
     available, errors = {}, {}
-    for name in methods:
+    for name in args.methods:
         try:
             available[name] = METHODS[name]
-            err = _correctness(name, METHODS[name], head_decays, dtype)
+            err = _correctness(METHODS[name], head_decays, dtype)
             data.setdefault("correctness_rel_err", {})[name] = err
         except Exception as exc:  # an anchor that does not import is reported, not fatal
             errors[name] = f"{type(exc).__name__}: {exc}"[:300]
@@ -267,13 +331,13 @@ def run_table(args) -> dict:
     for T, d, name in (bar := tqdm(jobs, desc="bench", unit="row")):
         bar.set_postfix_str(f"{name} T={T} D={d}")
         batch = max(1, args.tokens // T)
-        if name == "la1" and T > args.la1_max_T or name == "la2_literal" and T > args.literal_max_T:
+        if available[name].max_T is not None and T > available[name].max_T:
             continue
         q, k, v, do = _inputs(batch, args.H, T, d, dtype)
         decay = head_decays(args.H)
         row = {"method": name, "T": T, "D": d, "batch": batch, "heads": args.H, "dtype": args.dtype}
         try:
-            row.update(_measure(available[name], q, k, v, decay, do))
+            row.update(_measure(available[name].make, q, k, v, decay, do))
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         tokens = batch * T
@@ -310,7 +374,8 @@ def run_tune(args) -> dict:
     data = environment_record("python -m lightning_edu.perf.bench " + " ".join(sys.argv[1:]))
     data["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
     fwd_grid = [("fwd", d, T, dict(block=b, block_dv=bv, num_warps=w, num_stages=st))
-                for d, T, b, bv, w, st in itertools.product(args.D, args.T, (32, 64, 128), (32, 64, 128), (4, 8), (2, 3))]
+                for d, T, b, bv, w, st in itertools.product(args.D, args.T, (32, 64, 128), (32, 64, 128), (4, 8),
+                                                             (2, 3))]
     bwd_grid = [("dkdv", d, T, dict(dkdv_block=b, dkdv_warps=w, dkdv_stages=st))
                 for d, T, b, w, st in itertools.product(args.D, args.T, (16, 32, 64), (4, 8), (1, 2))]
     results = []
@@ -343,15 +408,19 @@ def run_tune(args) -> dict:
 
 
 def _table(data) -> str:
+    width = max([16] + [len(r["method"]) + 1 for r in data["results"] if "method" in r])
     lines = [f"{data['machine']}  copy bw {data['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s",
-             f"{'method':<16}{'T':>7}{'D':>5}{'fwd ms':>9}{'frac':>6}{'f+b ms':>9}{'frac':>6}{'Mtok/s':>8}{'extraMB':>9}"]
+             f"{'method':<{width}}{'T':>7}{'D':>5}{'fwd ms':>9}{'frac':>6}{'f+b ms':>9}{'frac':>6}{'Mtok/s':>8}"
+             f"{'extraMB':>9}"]
     for r in data["results"]:
         if "block" in r:
             continue
         lines.append(
-            f"{r['method']:<16}{r['T']:>7}{r['D']:>5}{r.get('fwd_ms', math.nan):>9.3f}{r.get('fwd_floor_frac', math.nan):>6.2f}"
+            f"{r['method']:<{width}}{r['T']:>7}{r['D']:>5}{r.get('fwd_ms', math.nan):>9.3f}"
+            f"{r.get('fwd_floor_frac', math.nan):>6.2f}"
             f"{r.get('fwdbwd_ms', math.nan):>9.3f}{r.get('fwdbwd_floor_frac', math.nan):>6.2f}"
-            f"{r.get('fwdbwd_tokens_per_s', math.nan) / 1e6:>8.2f}{r.get('fwdbwd_peak_extra_bytes', math.nan) / 2**20:>9.0f}"
+            f"{r.get('fwdbwd_tokens_per_s', math.nan) / 1e6:>8.2f}"
+            f"{r.get('fwdbwd_peak_extra_bytes', math.nan) / 2**20:>9.0f}"
             + (f"  {r['error'][:60]}" if "error" in r else "")
         )
     return "\n".join(lines)
@@ -364,12 +433,15 @@ def main(argv=None) -> int:
     parser.add_argument("--H", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32768, help="batch * T per call (at least one sequence)")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS))
-    parser.add_argument("--la1-max-T", type=int, default=32768, help="skip the quadratic LA-1 beyond this T")
-    parser.add_argument("--literal-max-T", type=int, default=131072)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
+                        help=f"any of: {' '.join(METHODS)} (or a recorded file's name: {' '.join(RECORDED_NAMES)})")
     parser.add_argument("--tune", action="store_true", help="sweep la2_fast tile sizes instead")
     parser.add_argument("--out", default=None, help="write JSON here")
     args = parser.parse_args(argv)
+    args.methods = [method_name(m) for m in args.methods]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        parser.error(f"unknown method(s) {' '.join(unknown)}; choose from {' '.join(METHODS)}")
     _refuse_without_gpu()
     start = time.time()
     data = run_tune(args) if args.tune else run_table(args)

@@ -8,6 +8,7 @@ variant       what                                                              
 la1           Lightning Attention-1: tiled masked left product, O(n^2 d)              ``la1``
 la2_literal   Algorithms 1-2 as written: one program per (batch, head[, d slice])     ``la2_literal``
 la2_fast      segments + 16-bit dots + backward as reversed forwards (the backend)    ``la2_fast``
+la3           la2_fast's forward; dK, dV from micro-chunk tiles in one reverse sweep  ``la3``
 ============  ======================================================================  ==========
 
 On a machine without CUDA, importing :mod:`lightning_edu` sets ``TRITON_INTERPRET=1`` first, so these
@@ -32,15 +33,30 @@ import torch
 from ._tiles import upcast_for_interpreter
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
+from .la3 import la3_backward
 
 __all__ = ["VARIANTS", "TritonLightningAttention", "triton_attention", "kernel_config", "log2_decay_tensor"]
 
 
 def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None = None) -> dict:
-    """Tile sizes of the backend's kernels, chosen by the H200 tile sweep of chapter 07 (bench --tune, notebooks/data/tune_h200.json)."""
-    big = max(d_k, d_v) > 128
-    block = block_size or (32 if big else 64)
-    return dict(block=block, block_dv=64 if big else None, num_warps=4, num_stages=2)
+    """Tile sizes of the backend's kernels for head dims (d_k, d_v) and the dtype the tiles are loaded in.
+
+    The 16-bit tiles were chosen by the H200 tile sweep of chapter 07 (``bench --tune``,
+    notebooks/data/tune_h200.json): 64-row blocks, or 32-row blocks with d_v cut into 64-column slices
+    when a head dim exceeds 128. That sweep was bf16 only. A float32 tile holds twice the bytes of a 16-bit
+    one, so above d = 64 float32 takes 32-row blocks: a 32 x 128 float32 tile is the size in bytes of the
+    measured 64 x 128 bf16 one, so the pipelined K and V tiles ask for no more shared memory than the
+    configuration the sweep timed (LA-1 halves its fp32 block for the same reason). Up to d = 64 a 64-row
+    float32 tile is no bigger than that one and keeps its 64 rows. ``block_size`` overrides the rows.
+    Returns the keyword arguments of ``la2_fast_forward``/``la2_fast_backward``: block, block_dv,
+    num_warps, num_stages.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a torch floating-point dtype (e.g. torch.bfloat16), got {dtype!r}")
+    d = max(d_k, d_v)
+    wide_fp32 = dtype == torch.float32 and d > 64
+    block = block_size or (32 if d > 128 or wide_fp32 else 64)
+    return dict(block=block, block_dv=64 if d > 128 else None, num_warps=4, num_stages=2)
 
 
 # The Lightning Attention-2 variants share one signature: forward(q, k, v, log2_decay, initial_state, ...)
@@ -49,6 +65,7 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
 VARIANTS = {
     "la2_literal": (la2_literal_forward, la2_literal_backward),
     "la2_fast": (la2_fast_forward, la2_fast_backward),
+    "la3": (la2_fast_forward, la3_backward),  # la2_fast's forward, the recompute-heavy backward
 }
 
 

@@ -13,10 +13,11 @@ from ._tiles import upcast_for_interpreter
 from .la1 import la1_backward, la1_forward
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
+from .la3 import la3_backward
 
 __all__ = [
     "la1_from_args", "la1_backward_from_args", "la2_literal_from_args", "la2_literal_backward_from_args",
-    "la2_fast_from_args", "la2_fast_backward_from_args",
+    "la2_fast_from_args", "la2_fast_backward_from_args", "la3_backward_from_args",
 ]
 
 
@@ -80,4 +81,13 @@ def la2_fast_backward_from_args(args, d_final_state=None, segments: bool = True,
     cfg, extra = _la2_fast_config(args, q, segments, fused_dkdv)
     dq, dk, dv, ds0 = la2_fast_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
                                         d_final_state, **cfg, **extra)
+    return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), ds0
+
+
+def la3_backward_from_args(args, d_final_state=None, **options):
+    """The recompute-heavy backward (its forward is la2_fast's); ``options`` may set its dK/dV tiles."""
+    q, k, v, do = _tensors(args.q, args.k, args.v, args.do)
+    cfg, _ = _la2_fast_config(args, q, True, False)
+    dq, dk, dv, ds0 = la3_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
+                                   d_final_state, **cfg, **options)
     return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), ds0

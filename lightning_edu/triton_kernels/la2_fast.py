@@ -38,7 +38,7 @@ from ._tiles import (
     refuse_interpreted_bf16, sm_count,
 )
 
-__all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments"]
+__all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments", "dq_pass", "finish_backward"]
 
 
 @triton.jit
@@ -406,20 +406,9 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
 
     bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong.
     """
-    import torch
-
     refuse_interpreted_bf16("la2_fast_backward", q, k, v, do)
 
-    batch, heads, n, d_k = q.shape
-    d_v = v.shape[-1]
-    # dQ: the forward with (query, key, value) = (dO, V, K); its state is KV^T, starting from S0^T.
-    s0t = initial_state.float().transpose(-1, -2).contiguous() if initial_state is not None else None
-    if saved is not None and saved[1] is not None:
-        seg_len, incoming = saved[0], saved[1].transpose(-1, -2).contiguous()  # KV^T at each segment start
-        dq, _, _ = _forward_form(do, v, k, log2_decay, s0t, False, block, block_dv, num_warps, num_stages, seg_len,
-                                 incoming=incoming)
-    else:
-        dq, _, _ = _forward_form(do, v, k, log2_decay, s0t, False, block, block_dv, num_warps, num_stages, seg_len)
+    dq = dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved)
     if fused_dkdv:
         dk, dv, x_end = _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages, seg_len,
                                     dkdv_block, dkdv_warps, dkdv_stages)
@@ -429,6 +418,26 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
         one_segment = aux["local"].shape[1] == 1  # then there are no segment states to share
         local_t = None if one_segment else aux["local"].transpose(-1, -2).contiguous()  # dK's are dV's, transposed
         dk, _, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg, aux["seg_len"], local_states=local_t)
+    return finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end)
+
+
+def dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved):
+    """dQ: the forward with (query, key, value) = (dO, V, K); its state is KV^T, starting from S0^T. With
+    ``saved`` (the forward's segment states) no pre-pass over K and V runs."""
+    s0t = initial_state.float().transpose(-1, -2).contiguous() if initial_state is not None else None
+    cfg = (block, block_dv, num_warps, num_stages)
+    if saved is not None and saved[1] is not None:
+        seg_len, incoming = saved[0], saved[1].transpose(-1, -2).contiguous()  # KV^T at each segment start
+        return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, incoming=incoming)[0]
+    return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len)[0]
+
+
+def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end):
+    """The terms a reverse sweep leaves out: dL/dS0 from the sweep's last state ``x_end``, and what the
+    final state's gradient ``d_final_state`` adds to dK, dV and dS0. Returns (dq, dk, dv, d_initial_state)."""
+    import torch
+
+    heads, n = q.shape[1], q.shape[2]
     # x_end = sum_t lambda^t q_t^T do_t (0-based t); dL/dS0 = sum_t lambda^(t+1) q_t^T do_t (+ lambda^n dSN).
     lam = torch.exp2(log2_decay.double()).view(1, heads, 1, 1)
     ds0 = (x_end.double() * lam).float()

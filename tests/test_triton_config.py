@@ -1,0 +1,59 @@
+"""The backend's tile sizes per dtype (``kernel_config``), and the backend still right where they change."""
+
+import numpy as np
+import pytest
+import torch
+
+import lightning_edu as le
+from lightning_edu import triton_kernels
+from lightning_edu.checks import relative_error
+from lightning_edu.triton_kernels import kernel_config
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d, block, block_dv", [(32, 64, None), (64, 64, None), (96, 64, None), (128, 64, None),
+                                                (192, 32, 64), (256, 32, 64)])
+def test_16_bit_tiles_are_the_swept_ones(dtype, d, block, block_dv):
+    cfg = kernel_config(d, d, dtype)
+    assert (cfg["block"], cfg["block_dv"]) == (block, block_dv)
+    assert (cfg["num_warps"], cfg["num_stages"]) == (4, 2)
+
+
+@pytest.mark.parametrize("d, block, block_dv", [(32, 64, None), (64, 64, None), (65, 32, None), (96, 32, None),
+                                                (128, 32, None), (256, 32, 64)])
+def test_fp32_tiles_halve_the_rows_above_d_64(d, block, block_dv):
+    cfg = kernel_config(d, d, torch.float32)
+    assert (cfg["block"], cfg["block_dv"]) == (block, block_dv)
+
+
+def test_the_wider_head_dim_decides_and_block_size_overrides():
+    assert kernel_config(96, 16, torch.float32)["block"] == 32
+    assert kernel_config(16, 96, torch.float32)["block"] == 32
+    assert kernel_config(16, 96, torch.bfloat16)["block"] == 64
+    assert kernel_config(96, 96, torch.float32, block_size=16)["block"] == 16
+    assert kernel_config(256, 256, torch.float32, block_size=64) == dict(block=64, block_dv=64, num_warps=4,
+                                                                        num_stages=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, "float32", np.float32, None])
+def test_dtype_must_be_a_torch_float_dtype(dtype):
+    with pytest.raises(TypeError, match="torch floating-point dtype"):
+        kernel_config(64, 64, dtype)
+
+
+def test_backend_is_right_with_fp32_tiles_at_d_96(monkeypatch):
+    seen = []
+    monkeypatch.setattr(triton_kernels, "kernel_config", lambda *a, **kw: seen.append(kernel_config(*a, **kw))
+                        or seen[-1])
+    rng = np.random.default_rng(0)
+    q, k = (rng.standard_normal((1, 2, 70, 96)) for _ in range(2))
+    v, do = (rng.standard_normal((1, 2, 70, 40)) for _ in range(2))
+    decay = [0.95, 0.5]
+    o = le.lightning_attention(*(torch.from_numpy(x).float() for x in (q, k, v)), decay, backend="triton")
+    assert seen and seen[0]["block"] == 32  # 70 rows: three 32-row blocks, the last one partial
+    assert relative_error(o, le.lightning_attention(q, k, v, decay, backend="numpy")) < 1e-5
+    grads = le.lightning_attention_backward(*(torch.from_numpy(x).float() for x in (q, k, v, do)), decay,
+                                            backend="triton")
+    for got, ref, name in zip(grads, le.lightning_attention_backward(q, k, v, do, decay, backend="numpy"),
+                              ("dq", "dk", "dv")):
+        assert relative_error(got, ref) < 1e-5, name
