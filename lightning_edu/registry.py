@@ -217,5 +217,5 @@ register(Implementation(
     checked_against="torch.chunked", options={"fused_dkdv": True}, bench={}))
 register(Implementation(
     "triton.la3", "triton", "09", "the recompute-heavy backward: dK and dV from micro-chunk tiles in one reverse sweep",
-    f"{_TK}:la2_fast_from_args", f"{_TK}:la3_backward_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256,
+    f"{_TK}:la2_fast_from_args", f"{_TK}:la3_backward_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=128,
     checked_against="torch.chunked", bench={}))

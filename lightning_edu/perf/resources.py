@@ -55,9 +55,15 @@ def _constexprs(fn, kernel) -> dict:
     return named
 
 
-def compiled_resources(run: Callable[[], object], prefixes=("lightning_edu",)) -> list[dict]:
+def compiled_resources(run: Callable[[], object], prefixes=("lightning_edu",), fresh: bool = False) -> list[dict]:
     """Run ``run()`` and return one record per kernel it compiled (kernels compiled before are not listed):
-    ``{"kernel", "shared", "n_regs", "n_spills", "num_warps", "num_stages", "constexprs"}``."""
+    ``{"kernel", "shared", "n_regs", "n_spills", "num_warps", "num_stages", "constexprs"}``. With ``fresh``
+    the in-memory caches of those JIT functions are emptied first, so every kernel ``run`` launches is
+    listed (loaded again from Triton's on-disk cache where it is there)."""
+    if fresh:
+        for fn in jit_functions(prefixes):
+            for cache in getattr(fn, "device_caches", {}).values():
+                (cache[0] if isinstance(cache, tuple) else cache).clear()
     before = {(id(fn), key) for fn in jit_functions(prefixes) for key in _compiled(fn)}
     run()
     records = []

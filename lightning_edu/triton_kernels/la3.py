@@ -38,10 +38,24 @@ from ._tiles import (
 )
 from .la2_fast import _incoming_state, _segment_state_kernel, choose_segments, dq_pass, finish_backward
 
-__all__ = ["la3_backward", "la3_dkdv", "LA3_DEFAULTS"]
+__all__ = ["la3_backward", "la3_dkdv", "la3_tiles", "MAX_HEAD_DIM"]
 
-# Chunk C, micro-chunk c and launch shape of the dK/dV kernel (chapter 09 measures the alternatives).
-LA3_DEFAULTS = dict(chunk=64, micro=16, num_warps=4, num_stages=1)
+MAX_HEAD_DIM = 128  # the sweep holds a d_k x d_v fp32 state: 64 KB at d = 128, 256 KB (all spilled) at 256
+
+
+def la3_tiles(dtype) -> dict:
+    """Chunk C, micro-chunk c and launch shape of the dK/dV kernel (measured on an H100 in chapter 09).
+
+    16-bit inputs: c = C = 64. Hopper's tensor-core instruction (wgmma) multiplies tiles of 64 rows per
+    warp group; 16-row tiles fall back to the older instruction and made the backward 1.8-2.4x slower. The
+    kernel then needs 32 KB (d = 64) or 64 KB (d = 128) of shared memory: within 99 KB either way.
+    fp32 (the correctness rung): c = 16, C = 64, the schedule's smallest tiles.
+    """
+    import torch
+
+    if dtype == torch.float32:
+        return dict(chunk=64, micro=16, num_warps=4, num_stages=1)
+    return dict(chunk=64, micro=64, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -66,7 +80,7 @@ def _la3_chunk(Q, K, V, DO, DK, DV, x, bh, blk, end, n, log2_lam, offs_c, offs_k
         q_scale = tl.exp2(log2_lam * (i * MICRO + offs_c + 1).to(tl.float32))[:, None]      # lambda^(r+1)
         dv = tl.dot(k_i, x16, input_precision=PRECISION) * q_scale                          # (c, d_k) @ (d_k, d_v)
         dk = tl.dot(v_i, tl.trans(x16), input_precision=PRECISION) * q_scale                # (c, d_v) @ (d_v, d_k)
-        for j in tl.static_range(i):  # earlier micro-chunks: every pair is kept, exponent >= 1
+        for j in range(0, i):  # earlier micro-chunks: every pair is kept, exponent >= 1
             p_j = blk + j * MICRO + offs_c
             ok_j = p_j < end
             q_j = _tile(Q, bh, p_j, ok_j, n, offs_k, k_ok, D_K)
@@ -96,7 +110,7 @@ def _la3_chunk(Q, K, V, DO, DK, DV, x, bh, blk, end, n, log2_lam, offs_c, offs_k
     # Only now the state takes the chunk's own pairs (read before update), one micro-chunk at a time.
     b = tl.minimum(end - blk, CHUNK)
     x = x * tl.exp2(log2_lam * b.to(tl.float32))
-    for j in tl.static_range(CHUNK // MICRO):
+    for j in range(0, CHUNK // MICRO):
         p_j = blk + j * MICRO + offs_c
         ok_j = p_j < end
         q_j = _tile(Q, bh, p_j, ok_j, n, offs_k, k_ok, D_K)
@@ -182,6 +196,9 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
         raise ValueError(f"chunk must be a multiple of micro, got chunk = {chunk}, micro = {micro}")
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
+    if max(d_k, d_v) > MAX_HEAD_DIM:
+        raise ValueError(f"la3 supports d_k, d_v <= {MAX_HEAD_DIM} (its fp32 state would not fit on chip), got "
+                         f"d_k = {d_k}, d_v = {d_v}; use la2_fast")
     pad_k, pad_v = pad_dim(d_k), pad_dim(d_v)
     if seg_len is not None and seg_len % chunk:
         seg_len = -(-seg_len // chunk) * chunk
@@ -213,15 +230,17 @@ def la3_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None
                  dkdv_stages: int | None = None):
     """The recompute-heavy backward. Returns (dq, dk, dv, d_initial_state fp32); the signature of
     la2_fast_backward, plus the dK/dV kernel's tiles (``chunk``, ``micro``, ``dkdv_warps``, ``dkdv_stages``;
-    defaults in LA3_DEFAULTS).
+    defaults from :func:`la3_tiles`). Head dims up to 128 (ValueError beyond).
 
-    dQ is la2_fast's dQ pass (from the forward's saved segment states when ``saved`` is given); dK and dV
-    come from one reverse sweep over micro-chunk tiles (:func:`la3_dkdv`). bfloat16 is refused in the CPU
-    interpreter (TypeError): its bf16 arithmetic is wrong.
+    dQ is la2_fast's dQ pass (from the forward's saved segment states when ``saved`` is given), its d_k cut
+    in slices of at most 64 columns so that it too stays within 99 KB of shared memory; dK and dV come from
+    one reverse sweep over micro-chunk tiles (:func:`la3_dkdv`). bfloat16 is refused in the CPU interpreter
+    (TypeError): its bf16 arithmetic is wrong.
     """
     refuse_interpreted_bf16("la3_backward", q, k, v, do)
+    block_dv = min(block_dv or 64, 64)  # dQ's "value" is K: slices of d_k (a full 128-wide slice needs 112 KB)
     dq = dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved)
-    tiles = dict(LA3_DEFAULTS)
+    tiles = la3_tiles(q.dtype)
     tiles.update({key: val for key, val in (("chunk", chunk), ("micro", micro), ("num_warps", dkdv_warps),
                                               ("num_stages", dkdv_stages)) if val is not None})
     dk, dv, x_end = la3_dkdv(q, k, v, do, log2_decay, **tiles, seg_len=seg_len)

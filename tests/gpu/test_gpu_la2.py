@@ -47,11 +47,15 @@ def _np(x):
 def test_variant_forward_backward(variant, shape, dtype):
     q, k, v, do, s0, dsn, lam = _case(shape, dtype)
     forward, backward = VARIANTS[variant]
+    l2 = log2_decay_tensor(lam, "cuda")
     if variant == "la2_literal" and max(shape[3:]) > 128:
         with pytest.raises(ValueError, match="la2_literal supports d_k, d_v <= 128"):
-            forward(q, k, v, log2_decay_tensor(lam, "cuda"), s0)
+            forward(q, k, v, l2, s0)
         return
-    l2 = log2_decay_tensor(lam, "cuda")
+    if variant == "la3" and max(shape[3:]) > 128:
+        with pytest.raises(ValueError, match="la3 supports d_k, d_v <= 128"):
+            backward(q, k, v, do, l2, s0, dsn)
+        return
     block = 32 if max(shape[3:]) > 128 else 64
     o = torch.full_like(v, float("nan"))  # poison: every element must be written
     o, sn = forward(q, k, v, l2, s0, block=block)
