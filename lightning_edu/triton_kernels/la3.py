@@ -80,7 +80,7 @@ def _la3_chunk(Q, K, V, DO, DK, DV, x, bh, blk, end, n, log2_lam, offs_c, offs_k
         q_scale = tl.exp2(log2_lam * (i * MICRO + offs_c + 1).to(tl.float32))[:, None]      # lambda^(r+1)
         dv = tl.dot(k_i, x16, input_precision=PRECISION) * q_scale                          # (c, d_k) @ (d_k, d_v)
         dk = tl.dot(v_i, tl.trans(x16), input_precision=PRECISION) * q_scale                # (c, d_v) @ (d_v, d_k)
-        for j in range(0, i):  # earlier micro-chunks: every pair is kept, exponent >= 1
+        for j in tl.static_range(i):  # earlier micro-chunks: every pair is kept, exponent >= 1
             p_j = blk + j * MICRO + offs_c
             ok_j = p_j < end
             q_j = _tile(Q, bh, p_j, ok_j, n, offs_k, k_ok, D_K)
@@ -110,7 +110,7 @@ def _la3_chunk(Q, K, V, DO, DK, DV, x, bh, blk, end, n, log2_lam, offs_c, offs_k
     # Only now the state takes the chunk's own pairs (read before update), one micro-chunk at a time.
     b = tl.minimum(end - blk, CHUNK)
     x = x * tl.exp2(log2_lam * b.to(tl.float32))
-    for j in range(0, CHUNK // MICRO):
+    for j in tl.static_range(CHUNK // MICRO):
         p_j = blk + j * MICRO + offs_c
         ok_j = p_j < end
         q_j = _tile(Q, bh, p_j, ok_j, n, offs_k, k_ok, D_K)
