@@ -18,7 +18,10 @@ __all__ = ["environment_record", "git_commit"]
 
 
 def git_commit() -> str | None:
-    """The commit of this checkout, or ``$LIGHTNING_EDU_COMMIT`` where the code runs from a copy without .git."""
+    """``$LIGHTNING_EDU_COMMIT`` when set (code run from a copy of a checkout, whose .git may be stale or absent),
+    else the commit of this checkout, marked "+local changes" when tracked files differ from it."""
+    if os.environ.get("LIGHTNING_EDU_COMMIT"):
+        return os.environ["LIGHTNING_EDU_COMMIT"]
     root = Path(__file__).resolve().parents[2]
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
@@ -28,7 +31,7 @@ def git_commit() -> str | None:
             return out.stdout.strip() + ("+local changes" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("LIGHTNING_EDU_COMMIT") or None
+    return None
 
 
 def _driver() -> str | None:
