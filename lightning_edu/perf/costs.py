@@ -46,6 +46,7 @@ __all__ = [
     "block_size_sweep",
     "modelled_time",
     "la1_cost",
+    "la3_cost",
     "optimal_block_size",
 ]
 
@@ -297,3 +298,54 @@ def la1_cost(n: int, d_k: int, d_v: int | None = None, block_size: int = 64, *, 
         elements = t * block * (d_v + d_k) + pairs * block * (d_k + d_v)
         elements += t * block * 2 * (d_k + d_v) + pairs * block * (d_k + d_v)
     return {"flops": heads_total * flops, "hbm_bytes": heads_total * elements * dtype_bytes, "pairs": pairs}
+
+
+def la3_cost(n: int, d_k: int, d_v: int | None = None, chunk: int = 64, micro: int = 16, *, batch: int = 1,
+             heads: int = 1, dtype_bytes: int = 2, segments: int = 1, dq_block: int = 64) -> dict:
+    """FLOPs, HBM bytes and on-chip bytes of the recompute-heavy backward (:mod:`lightning_edu.triton_kernels.la3`),
+    per call, counting padded tiles. (Chapter 09.)
+
+    Two kernels do the work. The dQ pass is Algorithm 1 with (dO, V, K) in blocks of ``dq_block`` rows: it
+    reads dO, V, K and writes dQ. The dK/dV sweep cuts each chunk of C = ``chunk`` rows into micro-chunks of
+    c = ``micro`` rows; output micro-chunk i meets micro-chunks j <= i (NM (NM + 1) / 2 tile pairs per chunk,
+    NM = C / c), and each pair costs four c x c x d dots (scores K_i Q_j^T and V_i dO_j^T, and their products
+    with dO_j and Q_j); each micro-chunk also meets the state twice (K_i X, V_i X^T) and the chunk updates it
+    once (Q^T dO). It reads Q, K, V, dO and writes dK, dV; with ``segments`` > 1 a pre-pass reads Q and dO
+    once more, and each segment's d_k x d_v fp32 state is written and read back.
+
+    ``on_chip`` is the dK/dV kernel's working set per program (registers and shared memory together), by
+    buffer: what must be live at once for one tile pair. Triton keeps most of it in registers; the compiled
+    kernel's shared memory (chapter 09's table) holds only the dot operands it stages.
+    Returns a dict with ``flops``, ``hbm_bytes``, ``floor_bytes`` (q, k, v, do in; dq, dk, dv out) and
+    ``on_chip`` (a dict of bytes, with ``total``).
+    """
+    n, d_k = validate_positive_int("n", n), validate_positive_int("d_k", d_k)
+    d_v = d_k if d_v is None else validate_positive_int("d_v", d_v)
+    chunk, micro = validate_positive_int("chunk", chunk), validate_positive_int("micro", micro)
+    if chunk % micro:
+        raise ValueError(f"chunk must be a multiple of micro, got chunk = {chunk}, micro = {micro}")
+    heads_total = validate_positive_int("batch", batch) * validate_positive_int("heads", heads)
+    dtype_bytes = validate_positive_int("dtype_bytes", dtype_bytes)
+    segments = validate_positive_int("segments", segments)
+    dq_block = validate_positive_int("dq_block", dq_block)
+    nm, chunks = chunk // micro, -(-n // chunk)
+    pair = 2 * micro * micro * (2 * d_k + 2 * d_v)       # four c x c x d dots
+    inter = 2 * 2 * micro * d_k * d_v                     # K_i X and V_i X^T
+    update = 2 * chunk * d_k * d_v                        # X += Q^T dO over the chunk
+    dkdv = chunks * (nm * (nm + 1) // 2 * pair + nm * inter + update)
+    dq = sum(sum(_blockwise_forward_flops(b, d_v, d_k)) for _, b in _block_lengths(n, dq_block))
+    state = d_k * d_v * 4
+    elements = n * 2 * (d_k + d_v) + n * 2 * (d_k + d_v) + n * (d_k + d_v)  # dQ pass; dK/dV sweep in, out
+    extra = (segments > 1) * (n * (d_k + d_v) * dtype_bytes + 2 * segments * state)
+    on_chip = {
+        "K_i, V_i tiles": micro * (d_k + d_v) * dtype_bytes,
+        "Q_j, dO_j tiles": micro * (d_k + d_v) * dtype_bytes,
+        "dK_i, dV_i accumulators (fp32)": micro * (d_k + d_v) * 4,
+        "score tiles and their decay (fp32)": 4 * micro * micro * 4,
+        "state X (fp32)": state,
+        "state X as a dot operand": d_k * d_v * dtype_bytes,
+    }
+    on_chip["total"] = sum(on_chip.values())
+    floor = n * (4 * d_k + 3 * d_v)  # q, k in and dq, dk out (d_k wide); v, do in and dv out (d_v wide)
+    return {"flops": heads_total * (dkdv + dq), "hbm_bytes": heads_total * (elements * dtype_bytes + extra),
+            "floor_bytes": heads_total * floor * dtype_bytes, "on_chip": on_chip}
