@@ -32,7 +32,7 @@ __all__ = [
     "autograd_gradients", "finite_difference_gradients",
     "eq11_eq12_token_gradients", "eq13_dkv_definition", "eq20_dkv_recursion", "eq20_dkv_recursion_corrected",
     "dq_eq15", "dk_eq16", "dk_eq17", "dv_eq18_literal", "dv_eq18", "dv_eq19", "algorithm2",
-    "la3_forward", "la3_backward", "la3_current_buffer_table",
+    "la3_forward", "la3_backward", "la3_current_buffer_table", "la3_micro_buffer_table",
     "Erratum", "ERRATA", "evidence",
 ]
 
@@ -482,6 +482,27 @@ def la3_current_buffer_table(BLOCK: int = 64, d: int = 64, CBLOCK: int = 16, byt
         "q, k, v": (12 * kb, 3 * row), "dq, dk, dv": (12 * kb, 3 * row), "do": (4 * kb, row),
         "total": (76 * kb, 3 * sq + 7 * row),
     }
+
+
+def la3_micro_buffer_table(CBLOCK: int = 16, d: int = 64, bytes_per: int = 4, operand_bytes: int = 2) -> dict:
+    """The note's table of the micro-chunk backward's buffers, recomputed: {buffer: (bytes printed, bytes true)}.
+    (Chapter 09.)
+
+    The note prints 30 KB at CBLOCK = 16, d = 64, fp32: seven [CBLOCK, d] tiles of 4 KB (q, k, v, do and the
+    three gradient accumulators) and two [CBLOCK, CBLOCK] tiles of 1 KB (the scores and their gradient). That
+    arithmetic is right. What it leaves out is the d x d state the inter-chunk part reads and updates (16 KB in
+    fp32 at d = 64), and its copy as a dot operand in ``operand_bytes`` per element (8 KB in 16 bits): they
+    appear with 0 printed bytes. "total" sums each column.
+    """
+    kb = 1024
+    tile, square = CBLOCK * d * bytes_per, CBLOCK * CBLOCK * bytes_per
+    table = {
+        "q, k, v, do": (4 * 4 * kb, 4 * tile), "dq, dk, dv": (3 * 4 * kb, 3 * tile),
+        "scores, score gradients": (2 * kb, 2 * square),
+        "state (left out)": (0, d * d * bytes_per), "state as a dot operand (left out)": (0, d * d * operand_bytes),
+    }
+    table["total"] = (sum(p for p, _ in table.values()), sum(t for _, t in table.values()))
+    return table
 
 
 # --------------------------------------------------------------------------------------------------

@@ -137,7 +137,7 @@ def micro_schedule(args, d_final_state=None, micro_size=None, **options):
     """The recompute-heavy backward on checked arguments, with dL/do = ``args.do``. (Chapter 09.)
 
     ``args.block_size`` is the chunk size C (:data:`DEFAULT_CHUNK` if None), ``micro_size`` the micro-chunk
-    size c <= C (min(:data:`DEFAULT_MICRO`, C) if None). ``d_final_state`` seeds dKV (zeros if None).
+    size c <= C (min(:data:`DEFAULT_MICRO`, C) if None). ``d_final_state`` starts dKV (zeros if None).
     Returns (dq, dk, dv, d_initial_state) in float64, the same as
     :func:`~lightning_edu.numpy_blockwise.algorithm2`.
     """

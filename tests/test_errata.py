@@ -127,6 +127,16 @@ def test_la3_memory_table_is_off_by_the_block_tiles():
     assert table["total"][1] == 160 * 1024  # vs ~76 KB printed
 
 
+def test_la3_micro_table_is_right_but_leaves_out_the_state():
+    table = errata.la3_micro_buffer_table()
+    assert table["total"][0] == 30 * 1024  # the note's 30 KB: seven 4 KB tiles and two 1 KB tiles
+    assert all(printed == true for name, (printed, true) in table.items() if "left out" not in name and name != "total")
+    assert table["state (left out)"] == (0, 16 * 1024)  # 64 x 64 fp32
+    assert table["state as a dot operand (left out)"] == (0, 8 * 1024)
+    assert table["total"][1] == 54 * 1024
+    assert errata.la3_micro_buffer_table(CBLOCK=16, d=128)["state (left out)"][1] == 64 * 1024
+
+
 def test_evidence_reports_both_errors():
     row = errata.evidence(errata.ERRATA[0])
     assert row["literal"] > 1e-3 and row["corrected"] < 1e-12 and row["nonfinite"] == 0

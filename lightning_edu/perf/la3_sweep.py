@@ -5,7 +5,7 @@ chip. (Chapter 09.)
 
 Two parts, one JSON record (with the machine, versions and commit):
 
-* ``timing``: the backward alone (the forward's saved states given), bf16, 16 heads, 32K tokens per call
+* ``results``: the backward alone (the forward's saved states given), bf16, 16 heads, 32K tokens per call
   (128K at T = 128K), head dim 64 and 128; la2_fast's backward and la3 at each (chunk, micro, warps) of
   :data:`TILES`; median of ``triton.testing.do_bench``, peak memory beyond the inputs, and the 7-tensor
   HBM floor's bytes (q, k, v, do in; dq, dk, dv out).
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         return 2
     path = argv[0]
     record = {**environment_record("python -m lightning_edu.perf.la3_sweep " + " ".join(argv)), "heads": HEADS,
-              "timing": [], "resources": [], "errors": []}
+              "results": [], "resources": [], "errors": []}
 
     def save():
         with open(path, "w") as f:
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
                                floor_bytes=7 * batch * n * HEADS * d * 2)
                 except Exception as e:  # a failed point is recorded, not fatal
                     row = dict(method=name, D=d, T=n, error=repr(e)[:300])
-                record["timing"].append(row)
+                record["results"].append(row)
                 print(f"{time.time() - start:5.0f}s", json.dumps(row), flush=True)
                 save()
 
