@@ -144,3 +144,12 @@ def test_method_refuses_what_its_record_does_not_support():
     q, k, v, do, decay = _tiny(torch.float64)  # the kernels take no float64
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         bench.METHODS["triton.la1"].make(q, k, v, decay, do)
+
+
+def test_environment_commit_prefers_the_variable_given_for_a_copied_checkout(monkeypatch):
+    from lightning_edu.perf.environment import git_commit
+
+    monkeypatch.setenv("LIGHTNING_EDU_COMMIT", "0123456789abcdef")
+    assert git_commit() == "0123456789abcdef"
+    monkeypatch.delenv("LIGHTNING_EDU_COMMIT")
+    assert git_commit() != "0123456789abcdef"
