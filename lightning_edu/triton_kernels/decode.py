@@ -1,0 +1,75 @@
+"""One decoding step in Triton: a new token per sequence against the carried state, no KV cache. (Chapter 10.)
+
+Per (batch, head), with the state S (d_k x d_v, fp32) carried from the tokens so far:
+
+    S' = lambda S + k^T v        (an outer product: d_k x d_v multiply-adds)
+    o  = q S'                    (d_k x d_v multiply-adds)
+
+A step reads S once and writes S' once: 2 d_k d_v * 4 bytes per head against 4 d_k d_v FLOPs, one FLOP per
+two bytes, so the step is bound by memory, never by the tensor cores. The kernel is elementwise work and a
+reduction over d_k; it has no tl.dot, so it runs for any head dims in the CPU interpreter as on a GPU. One
+launch covers every (batch, head) and a slice of BLOCK_V columns of the state; q, k and v may be fp32, fp16
+or bf16 (upcast after loading), the state stays fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._tiles import pad_dim, refuse_interpreted_bf16
+
+__all__ = ["decode_step"]
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, S, S_OUT, O, LOG2_DECAY, H,
+                   D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                   HAS_STATE: tl.constexpr):
+    """Grid (batch*heads, cdiv(d_v, BLOCK_V)). Q, K: (batch*heads, d_k); V, O: (batch*heads, d_v);
+    S, S_OUT: (batch*heads, d_k, d_v) fp32 (S may be S_OUT: each program reads its slice before writing it)."""
+    bh = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    offs_k = tl.arange(0, PAD_K)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < D_K
+    v_ok = offs_v < D_V
+    state_ok = k_ok[:, None] & v_ok[None, :]
+    state_ptrs = bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :]
+    q = tl.load(Q + bh * D_K + offs_k, mask=k_ok, other=0.0).to(tl.float32)              # (d_k,)
+    k = tl.load(K + bh * D_K + offs_k, mask=k_ok, other=0.0).to(tl.float32)              # (d_k,)
+    v = tl.load(V + bh * D_V + offs_v, mask=v_ok, other=0.0).to(tl.float32)              # (BLOCK_V,)
+    s = k[:, None] * v[None, :]                                                          # (d_k, BLOCK_V): k^T v
+    if HAS_STATE:
+        lam = tl.exp2(tl.load(LOG2_DECAY + bh % H))
+        s += lam * tl.load(S + state_ptrs, mask=state_ok, other=0.0)
+    # Padded rows (d_k < PAD_K) hold 0 in q, k and S: they add nothing to the sum over d_k.
+    o = tl.sum(q[:, None] * s, axis=0)                                                   # (BLOCK_V,): q S'
+    tl.store(S_OUT + state_ptrs, s, mask=state_ok)
+    tl.store(O + bh * D_V + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
+
+
+def decode_step(q, k, v, state, log2_decay, out_state=None, block_v: int | None = None, num_warps: int = 4):
+    """(o, new_state) of one step. q, k: (batch, heads, d_k); v: (batch, heads, d_v); state: (batch, heads, d_k,
+    d_v) or None (zeros); log2_decay: float32 (heads,). o has q's dtype; new_state is float32, written into
+    ``out_state`` when given (which may be ``state`` itself: an in-place step for a decode loop).
+    bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
+    import torch
+
+    refuse_interpreted_bf16("decode_step", q, k, v)
+    batch, heads, d_k = q.shape
+    d_v = v.shape[-1]
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    if state is not None:
+        state = state.float().contiguous()
+    if out_state is None:
+        out_state = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
+    o = torch.empty(batch, heads, d_v, device=q.device, dtype=q.dtype)
+    pad_k = pad_dim(d_k)
+    # A slice of the state per program: at most 8K fp32 values (32 KB) in registers.
+    block_v = block_v or max(16, min(pad_dim(d_v), 8192 // pad_k))
+    grid = (batch * heads, triton.cdiv(d_v, block_v))
+    _decode_kernel[grid](q, k, v, state if state is not None else out_state, out_state, o, log2_decay, heads,
+                         D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_V=block_v, HAS_STATE=state is not None,
+                         num_warps=num_warps)
+    return o, out_state
