@@ -1,8 +1,9 @@
 """lightning_edu: the companion package of *Lightning Attention, from the Math to the Kernel*.
 
-The interface: :func:`lightning_attention` and :func:`lightning_attention_backward` (:mod:`.api`), every
-argument check in one place (:mod:`.validation`), and every implementation registered once with what it
-supports and what it is checked against (:mod:`.registry`).
+The interface: :func:`lightning_attention`, :func:`lightning_attention_backward` and
+:func:`lightning_attention_step`, one decoding step (:mod:`.api`), every argument check in one place
+(:mod:`.validation`), and every implementation registered once with what it supports and what it is checked
+against (:mod:`.registry`).
 
 The ladder, one module per rung, each checked against the rung below:
 
@@ -43,8 +44,9 @@ def _configure_triton_interpreter() -> None:
 
 _configure_triton_interpreter()
 
-from .api import lightning_attention, lightning_attention_backward  # noqa: E402
+from .api import lightning_attention, lightning_attention_backward, lightning_attention_step  # noqa: E402
 from .validation import validate_attention_args  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["lightning_attention", "lightning_attention_backward", "validate_attention_args", "__version__"]
+__all__ = ["lightning_attention", "lightning_attention_backward", "lightning_attention_step", "validate_attention_args",
+           "__version__"]

@@ -1,23 +1,23 @@
-"""The public entry points: one function for the forward pass, one for the backward pass.
+"""The public entry points: the forward pass, the backward pass, and one decoding step.
 
-Both validate every argument in :mod:`lightning_edu.validation`, then run the backend implementation of
+Each validates every argument in :mod:`lightning_edu.validation`, then runs the backend implementation of
 the chosen rung from :mod:`lightning_edu.registry` on the checked arguments:
 
-========  ==========================================  ==========
-backend   implementation                              chapter
-========  ==========================================  ==========
-numpy     ``numpy.blockwise`` (Algorithms 1-2)        04-05
-torch     ``torch.chunked`` (hand-written backward)   06
-triton    ``triton.la2_fast`` (Triton kernels)        07-08
-========  ==========================================  ==========
+========  ==========================================  ==================  ==========
+backend   implementation                              decoding step       chapter
+========  ==========================================  ==================  ==========
+numpy     ``numpy.blockwise`` (Algorithms 1-2)        ``numpy.step``      04-05
+torch     ``torch.chunked`` (hand-written backward)   ``torch.step``      06
+triton    ``triton.la2_fast`` (Triton kernels)        ``triton.decode``   07-08
+========  ==========================================  ==================  ==========
 """
 
 from __future__ import annotations
 
 from . import registry
-from .validation import validate_attention_args, validate_flag
+from .validation import validate_attention_args, validate_flag, validate_step_args
 
-__all__ = ["lightning_attention", "lightning_attention_backward"]
+__all__ = ["lightning_attention", "lightning_attention_backward", "lightning_attention_step"]
 
 
 def lightning_attention(
@@ -88,3 +88,34 @@ def lightning_attention_backward(
     return_state_grad = validate_flag("return_state_grad", return_state_grad)
     dq, dk, dv, d_state = registry.backend_for(args.backend).backward(args, d_final_state)
     return (dq, dk, dv, d_state) if return_state_grad else (dq, dk, dv)
+
+
+def lightning_attention_step(q, k, v, state=None, decay=1.0, *, backend: str = "auto"):
+    """One decoding step: the recurrence of :func:`lightning_attention` advanced by one token. (Chapter 02.)
+
+    Per batch and head: ``new_state = lambda state + k^T v`` (k^T v the d_k x d_v outer product) and
+    ``o = q new_state``. q, k: (batch, heads, d_k); v: (batch, heads, d_v); state: (batch, heads, d_k, d_v),
+    None meaning zeros; decay: lambda in (0, 1], a float or one value per head. Returns (o, new_state) with
+    o (batch, heads, d_v). ``backend`` as in :func:`lightning_attention` ("auto": numpy for numpy arrays,
+    triton for CUDA tensors, torch otherwise).
+
+    Generation is a prefill, then one step per new token::
+
+        o, state = lightning_attention(q, k, v, decay, return_state=True)   # the prompt, tokens 1..n
+        o_next, state = lightning_attention_step(q_next, k_next, v_next, state, decay)   # token n + 1
+
+    and gives the outputs and the state of one :func:`lightning_attention` call over all the tokens.
+
+    dtypes: "numpy" returns float64 arrays. "torch" returns o in v's dtype and new_state in the compute
+    dtype: float32 and float64 inputs keep theirs, while for float16/bfloat16 inputs the state is kept in
+    float32, so new_state is float32 (rounding it to 16 bits at every step would add up over a long
+    generation); it is plain tensor ops, differentiable with autograd. "triton" returns o in v's dtype and
+    new_state in float32 (off CUDA, bfloat16 inputs are computed in float32, as for lightning_attention).
+
+    Unsupported, each refused with a TypeError or ValueError that names the argument: q, k or v with a
+    sequence axis (4-D: drop it, or call :func:`lightning_attention` for a whole sequence); everything
+    :func:`lightning_attention` refuses for its backend and dtypes (mixed numpy and torch, non-float dtypes,
+    "triton" with float64 or d_k or d_v > 256, a decay outside (0, 1] or one that requires grad).
+    """
+    args = validate_step_args(q, k, v, state, decay, backend)
+    return registry.backend_for(args.backend, op="step").forward(args)

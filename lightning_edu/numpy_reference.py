@@ -163,3 +163,18 @@ def masked_from_args(args, **options):
 
 def cumsum_from_args(args, **options):
     return causal_linear_cumsum(args.q, args.k, args.v, args.decay), None
+
+
+def step_from_args(args, **options):
+    """One step of the recurrence, the ground truth of decoding: (o, new_state) in float64. (Chapter 02.)
+
+    ``args`` is a checked :class:`~lightning_edu.validation.StepArgs`: q, k (batch, heads, d_k), v (batch,
+    heads, d_v), state (batch, heads, d_k, d_v) or None for zeros. Per batch and head,
+    ``new_state = lambda state + k^T v`` and ``o = q new_state``: the loop body of
+    :func:`causal_linear_recurrent`, run once.
+    """
+    q, k, v = _f64(args.q, args.k, args.v)
+    new_state = k[..., :, None] * v[..., None, :]  # outer product k^T v
+    if args.state is not None:
+        new_state = args.decay[None, :, None, None] * np.asarray(args.state, dtype=np.float64) + new_state
+    return np.einsum("bhk,bhkv->bhv", q, new_state), new_state

@@ -15,6 +15,13 @@ checked (an :class:`~lightning_edu.validation.AttentionArgs`), so nothing valida
 * ``backward(args, d_final_state, **options) -> (dq, dk, dv, d_initial_state)``, d_initial_state None
   where ``initial_state`` is False.
 
+A record's ``op`` says which function it computes: "attention", the whole sequence above, or "step", one
+decoding step ``KV = lambda KV + k^T v``, ``o = q KV`` for one token per batch and head. A step record's
+``forward`` takes a :class:`~lightning_edu.validation.StepArgs` and returns (o, new_state); the steps are
+checked against ``numpy.step``, one step of the recurrence, the ground truth of that op. Each rung has one
+backend record per op: what ``lightning_attention(..., backend=rung)`` and
+``lightning_attention_step(..., backend=rung)`` run.
+
 Adding a rung or a variant (a recompute-heavy backward, a decoding kernel) is one new module plus one
 :func:`register` call here: see CONTRIBUTING.md.
 """
@@ -25,12 +32,13 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .validation import AttentionArgs, validate_head_dims, validate_kernel_dtype
+from .validation import AttentionArgs, StepArgs, validate_head_dims, validate_kernel_dtype
 
 __all__ = ["Implementation", "IMPLEMENTATIONS", "register", "get", "backend_for", "by_rung", "check_supports",
-           "RUNGS", "TOLERANCES"]
+           "RUNGS", "OPS", "TOLERANCES"]
 
 RUNGS = ("numpy", "torch", "triton")
+OPS = ("attention", "step")  # a whole sequence (lightning_attention), one decoding step (lightning_attention_step)
 
 # The largest relative error against float64 that a check between two implementations tolerates, by the
 # dtype of the one being checked (small random problems; the precision table covers long sequences).
@@ -51,6 +59,7 @@ class Implementation:
     ``forward``/``backward`` are "module:function" paths, imported on first use so that importing the
     registry never imports Triton. ``options`` are fixed keyword arguments that make this variant (e.g.
     ``fused_dkdv=True``); ``bench`` holds its benchmark defaults, or is None when it is not benchmarked.
+    ``op`` is the function it computes, one of :data:`OPS`: "attention" (a sequence) or "step" (one token).
     """
 
     name: str
@@ -68,6 +77,7 @@ class Implementation:
     backend: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
     bench: Mapping[str, Any] | None = None
+    op: str = "attention"
 
     @property
     def forward(self) -> Callable:
@@ -87,22 +97,29 @@ class Implementation:
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {}
-_BACKENDS: dict[str, Implementation] = {}  # rung -> its backend implementation, filled by register()
+# (rung, op) -> the backend implementation of that op on that rung, filled by register()
+_BACKENDS: dict[tuple[str, str], Implementation] = {}
 
 
 def register(impl: Implementation) -> Implementation:
-    """Add one implementation; its name must be new and what it is checked against must exist already."""
+    """Add one implementation; its name must be new and what it is checked against must exist already
+    and compute the same op."""
     if impl.name in IMPLEMENTATIONS:
         raise ValueError(f"implementation {impl.name!r} is registered twice")
     if impl.rung not in RUNGS:
         raise ValueError(f"rung must be one of {RUNGS}, got {impl.rung!r} for {impl.name!r}")
+    if impl.op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {impl.op!r} for {impl.name!r}")
     if impl.checked_against is not None and impl.checked_against not in IMPLEMENTATIONS:
         raise ValueError(f"{impl.name!r} is checked against {impl.checked_against!r}, which is not registered (yet)")
-    if impl.backend and impl.rung in _BACKENDS:
-        raise ValueError(f"rung {impl.rung!r} already has a backend implementation")
+    if impl.checked_against is not None and IMPLEMENTATIONS[impl.checked_against].op != impl.op:
+        raise ValueError(f"{impl.name!r} computes op {impl.op!r} but is checked against {impl.checked_against!r}, "
+                         f"which computes op {IMPLEMENTATIONS[impl.checked_against].op!r}")
+    if impl.backend and (impl.rung, impl.op) in _BACKENDS:
+        raise ValueError(f"rung {impl.rung!r} already has a backend implementation of op {impl.op!r}")
     IMPLEMENTATIONS[impl.name] = impl
     if impl.backend:
-        _BACKENDS[impl.rung] = impl
+        _BACKENDS[impl.rung, impl.op] = impl
     return impl
 
 
@@ -117,15 +134,22 @@ def by_rung(rung: str) -> list[Implementation]:
     return [impl for impl in IMPLEMENTATIONS.values() if impl.rung == rung]
 
 
-def backend_for(rung: str) -> Implementation:
-    """What ``lightning_attention(..., backend=rung)`` runs."""
-    return _BACKENDS[rung]
+def backend_for(rung: str, op: str = "attention") -> Implementation:
+    """What ``lightning_attention(..., backend=rung)`` runs, or with ``op="step"`` what
+    ``lightning_attention_step(..., backend=rung)`` runs."""
+    if (rung, op) not in _BACKENDS:
+        raise ValueError(f"(rung, op) must be one of {sorted(_BACKENDS)}, got {(rung, op)!r}")
+    return _BACKENDS[rung, op]
 
 
-def check_supports(impl: Implementation, args: AttentionArgs, *, backward: bool = False,
+def check_supports(impl: Implementation, args: AttentionArgs | StepArgs, *, backward: bool = False,
                    d_final_state: Any = None) -> None:
     """Refuse, with the implementation named, a call it does not support (instead of a wrong answer)."""
     who = f"implementation {impl.name!r}"
+    given = "step" if isinstance(args, StepArgs) else "attention"
+    if given != impl.op:
+        raise TypeError(f"{who} computes op {impl.op!r}, so it takes "
+                        f"{'StepArgs' if impl.op == 'step' else 'AttentionArgs'}, got {type(args).__name__}")
     if impl.rung == "triton":
         validate_kernel_dtype(f"q ({who})", args.q)
     elif impl.rung == "torch":  # the numpy rung takes any float array and computes in float64
@@ -134,7 +158,8 @@ def check_supports(impl: Implementation, args: AttentionArgs, *, backward: bool 
             raise TypeError(f"{who} computes in {', '.join(impl.dtypes)}, got q of dtype {dtype}")
     if impl.max_head_dim is not None:
         validate_head_dims(args.d_k, args.d_v, impl.max_head_dim, who)
-    if args.initial_state is not None and not impl.initial_state:
+    initial_state = args.state if isinstance(args, StepArgs) else args.initial_state
+    if initial_state is not None and not impl.initial_state:
         raise ValueError(f"{who} takes no initial_state (it computes o from a zero state only)")
     if backward and not impl.has_backward:
         raise ValueError(f"{who} has no backward; use one of {sorted(i.name for i in IMPLEMENTATIONS.values() if i.has_backward)}")
@@ -219,3 +244,18 @@ register(Implementation(
     "triton.la3", "triton", "09", "the recompute-heavy backward: dK and dV from micro-chunk tiles in one reverse sweep",
     f"{_TK}:la2_fast_from_args", f"{_TK}:la3_backward_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=128,
     checked_against="torch.chunked", bench={}))
+
+# One decoding step: KV = lambda KV + k^T v, o = q KV for one token per (batch, head), the state carried from
+# a prefill (lightning_attention(..., return_state=True)) or a previous step. No backward: the torch step is
+# plain tensor ops, differentiable by autograd.
+register(Implementation(
+    "numpy.step", "numpy", "02", "one step of the per-token recurrence: the ground truth of every decoding step",
+    f"{_NR}:step_from_args", backend=True, op="step"))
+register(Implementation(
+    "torch.step", "torch", "06", "one step of the recurrence in torch tensor ops, differentiable by autograd",
+    f"{_TC}:step_from_args", dtypes=_TORCH_DTYPES, differentiable=True, checked_against="numpy.step", backend=True,
+    op="step"))
+register(Implementation(
+    "triton.decode", "triton", "07-08", "one decoding step in one Triton kernel launch",
+    f"{_TK}:decode_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256, checked_against="torch.step", backend=True,
+    bench=None, op="step"))

@@ -58,6 +58,7 @@ __all__ = [
     "loop_from_args",
     "recurrent_from_args",
     "masked_from_args",
+    "step_from_args",
 ]
 
 DEFAULT_BLOCK_SIZE = 64
@@ -463,3 +464,21 @@ def recurrent_from_args(args, **options):
 
 def masked_from_args(args, **options):
     return masked_forward(args.q, args.k, args.v, args.decay), None
+
+
+def step_from_args(args, **options):
+    """One decoding step in torch: (o, new_state), differentiable by autograd. (Chapters 02, 06.)
+
+    ``args`` is a checked :class:`~lightning_edu.validation.StepArgs`. Per batch and head,
+    ``new_state = lambda state + k^T v`` and ``o = q new_state``, in plain tensor ops, so autograd gives the
+    gradients of q, k, v and state. It computes in :func:`compute_dtype`: o comes back in v's dtype, new_state
+    in float32 for float16/bfloat16 inputs (the state is carried from step to step, so it keeps float32).
+    """
+    dtype = compute_dtype(args.q.dtype)
+    q, k, v = (x.to(dtype) for x in (args.q, args.k, args.v))
+    new_state = k[..., :, None] * v[..., None, :]  # outer product k^T v
+    if args.state is not None:
+        lam = decay_tensor(args.decay, q.device, dtype)[None, :, None, None]
+        new_state = lam * args.state.to(dtype) + new_state
+    o = (q[..., None, :] @ new_state)[..., 0, :]
+    return o.to(args.v.dtype), new_state

@@ -18,7 +18,8 @@ import numpy as np
 BACKENDS = ("auto", "numpy", "torch", "triton")
 
 __all__ = [
-    "BACKENDS", "KERNEL_DTYPES", "AttentionArgs", "validate_attention_args", "validate_decay", "validate_block_size",
+    "BACKENDS", "KERNEL_DTYPES", "AttentionArgs", "StepArgs", "validate_attention_args", "validate_step_args",
+    "validate_decay", "validate_block_size",
     "validate_flag", "validate_choice", "validate_positive_int", "validate_kernel_dtype", "validate_head_dims",
     "check_finite_scalar",
 ]
@@ -73,6 +74,27 @@ class AttentionArgs:
     batch: int
     heads: int
     seq_len: int
+    d_k: int
+    d_v: int
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    """Checked and normalised arguments of one decoding step (one token per batch and head).
+
+    q, k: (batch, heads, d_k); v: (batch, heads, d_v); state: (batch, heads, d_k, d_v) or None (zeros).
+    ``decay`` is a float64 numpy array of shape (heads,), as in :class:`AttentionArgs`.
+    """
+
+    q: Any
+    k: Any
+    v: Any
+    state: Any
+    decay: np.ndarray
+    backend: str
+    kind: str
+    batch: int
+    heads: int
     d_k: int
     d_v: int
 
@@ -240,6 +262,66 @@ def validate_attention_args(
     if kind == "torch" and do is not None and do.dtype != q.dtype:
         raise TypeError(f"do must have the same dtype as q ({q.dtype}), got {do.dtype}")
     return AttentionArgs(q, k, v, lam, backend, block, initial_state, do, kind, batch, heads, seq_len, d_k, d_v)
+
+
+def validate_step_args(
+    q: Any,
+    k: Any,
+    v: Any,
+    state: Any = None,
+    decay: Any = 1.0,
+    backend: Any = "auto",
+    who: str = "lightning_attention_step",
+) -> StepArgs:
+    """Check every argument of one decoding step; return them normalised.
+
+    Shapes: q, k (batch, heads, d_k); v (batch, heads, d_v); state (batch, heads, d_k, d_v) or None. There is
+    no sequence axis: a step takes one token per batch and head. ``who`` names the function in the hint given
+    for a 4-D input. Decay and backend follow the rules of :func:`validate_attention_args`.
+    """
+    kind = _check_tensor("q", q, None)
+    _check_tensor("k", k, kind)
+    _check_tensor("v", v, kind)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 3:
+            want = "(batch, heads, d_v)" if name == "v" else "(batch, heads, d_k)"
+            hint = ""
+            if x.ndim == 4 and x.shape[2] == 1:
+                hint = f": {who} takes one token with no sequence axis, so drop it ({name}[:, :, 0])"
+            elif x.ndim == 4:
+                hint = f": {who} takes one token; for a whole sequence call lightning_attention"
+            raise ValueError(f"{name} must be 3-D {want}, got {x.ndim}-D shape {tuple(x.shape)}{hint}")
+    batch, heads, d_k = (int(s) for s in q.shape)
+    axes = ("batch", "heads")
+    for name, x in (("k", k), ("v", v)):
+        for axis, (want, got) in enumerate(zip(q.shape[:2], x.shape[:2])):
+            if want != got:
+                raise ValueError(f"{name} must match q in {axes[axis]} (axis {axis}): expected {want}, got {got} "
+                                 f"(shape {tuple(x.shape)})")
+    if k.shape[2] != d_k:
+        raise ValueError(f"k must have the same d_k as q (axis 2): expected {d_k}, got {k.shape[2]}")
+    d_v = int(v.shape[2])
+    if d_k < 1 or d_v < 1 or batch < 1 or heads < 1:
+        raise ValueError(f"every axis must have length >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+    if kind == "torch":
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {x.dtype}")
+            if x.device != q.device:
+                raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
+    lam = validate_decay(decay, heads)
+    backend = _resolve_backend(backend, kind, q)
+    if backend == "triton":
+        validate_head_dims(d_k, d_v, 256, "backend='triton'")
+        validate_kernel_dtype("q (backend='triton')", q)
+    if state is not None:
+        _check_tensor("state", state, kind)
+        shape = (batch, heads, d_k, d_v)
+        if tuple(state.shape) != shape:
+            raise ValueError(f"state must have shape (batch, heads, d_k, d_v) = {shape}, got {tuple(state.shape)}")
+        if kind == "torch" and state.device != q.device:
+            raise ValueError(f"state must be on the same device as q ({q.device}), got {state.device}")
+    return StepArgs(q, k, v, state, lam, backend, kind, batch, heads, d_k, d_v)
 
 
 def validate_flag(name: str, value: Any) -> bool:

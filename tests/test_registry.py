@@ -29,8 +29,8 @@ SHAPES = [
 
 def _cases():
     for impl in registry.IMPLEMENTATIONS.values():
-        if impl.checked_against is None:
-            continue
+        if impl.checked_against is None or impl.op != "attention":
+            continue  # the decoding-step records ("step") are checked in tests/test_step.py
         for device in DEVICES:
             if device == "cuda" and impl.rung == "numpy":
                 continue
@@ -110,18 +110,20 @@ def test_matches_the_implementation_it_is_checked_against(name, device, dtype, s
 
 
 def test_every_chain_of_checks_ends_at_the_ground_truth():
-    # Each implementation is checked against one on its own rung or the rung below, and following the
-    # chain always ends at the per-token recurrence in float64.
+    # Each implementation is checked against one of the same op on its own rung or the rung below, and
+    # following the chain always ends at the per-token recurrence in float64 (one step of it for "step").
     order = {rung: i for i, rung in enumerate(registry.RUNGS)}
+    truth = {"attention": "numpy.recurrent", "step": "numpy.step"}
     for impl in registry.IMPLEMENTATIONS.values():
         seen, current = [], impl
         while current.checked_against is not None:
             below = registry.get(current.checked_against)
             assert order[below.rung] in (order[current.rung], order[current.rung] - 1), (current.name, below.name)
+            assert below.op == current.op, (current.name, below.name)
             assert below.name not in seen, f"a cycle through {below.name}"
             seen.append(below.name)
             current = below
-        assert current.name == "numpy.recurrent"
+        assert current.name == truth[impl.op]
 
 
 def test_one_backend_per_rung_and_the_api_runs_it(monkeypatch):
@@ -129,6 +131,7 @@ def test_one_backend_per_rung_and_the_api_runs_it(monkeypatch):
 
     for rung in registry.RUNGS:
         assert registry.backend_for(rung).rung == rung
+        assert registry.backend_for(rung).op == "attention"
     calls = []
     real = numpy_blockwise.algorithm1
     monkeypatch.setattr(numpy_blockwise, "algorithm1", lambda args, **kw: calls.append(args) or real(args, **kw))

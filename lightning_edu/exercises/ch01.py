@@ -45,8 +45,9 @@ def check_right_product(right_product) -> bool:
             f"that is an n x n matrix ({n * n * 8 / 2**20:.0f} MiB in float64). You computed (Q K^T) V; "
             "bracket it as Q (K^T V) so the only intermediate is d_k x d_v"
         )
-    return passed(f"right_product matches linear_attention_right on {len(_SHAPES)} shapes and needs only "
-                  f"{peak / 2**10:.0f} KiB at n = {n} (no n x n matrix)")
+    # The exact peak varies by a KiB with numpy's allocator; the message states the bound it met.
+    return passed(f"right_product matches linear_attention_right on {len(_SHAPES)} shapes and needs under "
+                  f"{limit / 2**20:.0f} MiB at n = {n} (an n x n matrix would take {n * n * 8 / 2**20:.0f} MiB)")
 
 
 def _reference_flops(n: int, d_k: int, d_v: int) -> tuple[int, int]:

@@ -1,9 +1,10 @@
 """Registry hooks of the Triton rung: checked arguments in, kernels launched, (o, final_state) out.
 
 Every Triton implementation in :mod:`lightning_edu.registry` runs through one of these. They take an
-:class:`~lightning_edu.validation.AttentionArgs` that validation has already checked, make the tensors
-contiguous, and, in Triton's CPU interpreter (no CUDA), compute bfloat16 inputs in float32 and round the
-results back (the interpreter's own bf16 arithmetic is wrong); on a GPU bf16 runs in the kernels as it is.
+:class:`~lightning_edu.validation.AttentionArgs` (a :class:`~lightning_edu.validation.StepArgs` for the
+decoding step) that validation has already checked, make the tensors contiguous, and, in Triton's CPU
+interpreter (no CUDA), compute bfloat16 inputs in float32 and round the results back (the interpreter's own
+bf16 arithmetic is wrong); on a GPU bf16 runs in the kernels as it is.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .la3 import la3_backward
 
 __all__ = [
     "la1_from_args", "la1_backward_from_args", "la2_literal_from_args", "la2_literal_backward_from_args",
-    "la2_fast_from_args", "la2_fast_backward_from_args", "la3_backward_from_args",
+    "la2_fast_from_args", "la2_fast_backward_from_args", "la3_backward_from_args", "decode_from_args",
 ]
 
 
@@ -91,3 +92,13 @@ def la3_backward_from_args(args, d_final_state=None, **options):
     dq, dk, dv, ds0 = la3_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
                                    d_final_state, **cfg, **options)
     return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), ds0
+
+
+def decode_from_args(args, **options):
+    """One decoding step (a :class:`~lightning_edu.validation.StepArgs`): (o in v's dtype, new_state float32)."""
+    from .decode import decode_step
+
+    q, k, v = _tensors(args.q, args.k, args.v)
+    state = None if args.state is None else args.state.contiguous()
+    o, new_state = decode_step(q, k, v, state, log2_decay_tensor(args.decay, q.device))
+    return _back(o, args.v), new_state
