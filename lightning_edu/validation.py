@@ -169,6 +169,17 @@ def _check_tensor(name: str, x: Any, kind: str | None) -> str:
     return k
 
 
+def _same_dtype_and_device(kind: str, q: Any, **others: Any) -> None:
+    """Torch tensors must share q's dtype and device (numpy arrays are all computed in float64)."""
+    if kind != "torch":
+        return
+    for name, x in others.items():
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {x.dtype}")
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
+
+
 def _resolve_backend(backend: Any, kind: str, q: Any, who: str | None = None) -> str:
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, one of {BACKENDS}, got {type(backend).__name__} {backend!r}")
@@ -233,12 +244,7 @@ def validate_attention_args(
     d_v = int(v.shape[3])
     if seq_len < 1 or d_k < 1 or d_v < 1 or batch < 1 or heads < 1:
         raise ValueError(f"every axis must have length >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
-    if kind == "torch":
-        for name, x in (("k", k), ("v", v)):
-            if x.dtype != q.dtype:
-                raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {x.dtype}")
-            if x.device != q.device:
-                raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
+    _same_dtype_and_device(kind, q, k=k, v=v)
     lam = validate_decay(decay, heads)
     block = validate_block_size(block_size)
     backend = _resolve_backend(backend, kind, q, who)
@@ -303,12 +309,7 @@ def validate_step_args(
     d_v = int(v.shape[2])
     if d_k < 1 or d_v < 1 or batch < 1 or heads < 1:
         raise ValueError(f"every axis must have length >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
-    if kind == "torch":
-        for name, x in (("k", k), ("v", v)):
-            if x.dtype != q.dtype:
-                raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {x.dtype}")
-            if x.device != q.device:
-                raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
+    _same_dtype_and_device(kind, q, k=k, v=v)
     lam = validate_decay(decay, heads)
     backend = _resolve_backend(backend, kind, q)
     if backend == "triton":
