@@ -15,6 +15,7 @@ triton    ``triton.la2_fast`` (Triton kernels)        ``triton.decode``   07-08
 from __future__ import annotations
 
 from . import registry
+from .packed import packed_backward, packed_forward
 from .validation import validate_attention_args, validate_flag, validate_step_args
 
 __all__ = ["lightning_attention", "lightning_attention_backward", "lightning_attention_step"]
@@ -30,6 +31,7 @@ def lightning_attention(
     block_size: int | None = None,
     initial_state=None,
     return_state: bool = False,
+    cu_seqlens=None,
 ):
     """Causal linear attention with decay, the function this whole book computes.
 
@@ -40,6 +42,11 @@ def lightning_attention(
     per head; initial_state: (batch, heads, d_k, d_v). ``backend`` is "numpy" (float64, numpy arrays),
     "torch", "triton" or "auto" (numpy for numpy arrays, triton for CUDA tensors, torch otherwise).
     Returns o (batch, heads, n, d_v), or (o, KV_n) with ``return_state=True``.
+
+    A packed batch of sequences of different lengths (chapter 10): q, k, v of shape (1, heads, total, d) hold
+    them end to end and ``cu_seqlens`` (a list, numpy array or CPU tensor of num_seqs + 1 integers starting at
+    0, never decreasing, ending at total) marks where each starts; initial_state and the returned state are
+    then (num_seqs, heads, d_k, d_v). Each sequence starts from its own state: nothing crosses a boundary.
 
     Non-finite inputs stay causal: an output is NaN or inf exactly when it depends on a NaN or inf input.
     On a machine without CUDA the "triton" backend runs Triton's CPU interpreter, whose bfloat16
@@ -52,10 +59,11 @@ def lightning_attention(
     dL/dlambda yet); numpy masked arrays (the mask would be ignored).
     """
     args = validate_attention_args(
-        q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state
+        q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state, cu_seqlens=cu_seqlens
     )
     return_state = validate_flag("return_state", return_state)
-    out, state = registry.backend_for(args.backend).forward(args)
+    impl = registry.backend_for(args.backend)
+    out, state = impl.forward(args) if args.cu_seqlens is None else packed_forward(impl, args)
     return (out, state) if return_state else out
 
 
@@ -71,22 +79,28 @@ def lightning_attention_backward(
     initial_state=None,
     d_final_state=None,
     return_state_grad: bool = False,
+    cu_seqlens=None,
 ):
     """Gradients (dq, dk, dv) of a loss L given ``do`` = dL/do, by the paper's Algorithm 2. (Chapter 05.)
 
     ``d_final_state`` is dL/dKV_n when the final state was used too; with ``return_state_grad=True`` the
     result also carries dL/d initial_state: (dq, dk, dv, d_initial_state). ``backend`` as in
-    :func:`lightning_attention` ("auto": numpy for numpy arrays, triton for CUDA tensors, torch otherwise).
+    :func:`lightning_attention` ("auto": numpy for numpy arrays, triton for CUDA tensors, torch otherwise), and
+    ``cu_seqlens`` too (a packed batch: d_final_state and d_initial_state are then per sequence).
 
     Unsupported: everything :func:`lightning_attention` refuses, and ``do=None`` (a TypeError: the
     backward needs dL/do).
     """
     args = validate_attention_args(
         q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state, do=do,
-        d_final_state=d_final_state, need_do=True,
+        d_final_state=d_final_state, need_do=True, cu_seqlens=cu_seqlens,
     )
     return_state_grad = validate_flag("return_state_grad", return_state_grad)
-    dq, dk, dv, d_state = registry.backend_for(args.backend).backward(args, d_final_state)
+    impl = registry.backend_for(args.backend)
+    if args.cu_seqlens is None:
+        dq, dk, dv, d_state = impl.backward(args, d_final_state)
+    else:
+        dq, dk, dv, d_state = packed_backward(impl, args, d_final_state)
     return (dq, dk, dv, d_state) if return_state_grad else (dq, dk, dv)
 
 

@@ -19,7 +19,7 @@ BACKENDS = ("auto", "numpy", "torch", "triton")
 
 __all__ = [
     "BACKENDS", "KERNEL_DTYPES", "AttentionArgs", "StepArgs", "validate_attention_args", "validate_step_args",
-    "validate_decay", "validate_block_size",
+    "validate_cu_seqlens", "validate_decay", "validate_block_size",
     "validate_flag", "validate_choice", "validate_positive_int", "validate_kernel_dtype", "validate_head_dims",
     "check_finite_scalar",
 ]
@@ -60,6 +60,7 @@ class AttentionArgs:
     """Checked and normalised arguments of one attention call.
 
     ``decay`` is always a float64 numpy array of shape (heads,), whatever form it was given in.
+    ``cu_seqlens`` (a packed batch) is a tuple of Python ints on the host, or None.
     """
 
     q: Any
@@ -76,6 +77,12 @@ class AttentionArgs:
     seq_len: int
     d_k: int
     d_v: int
+    cu_seqlens: tuple[int, ...] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the call: the packed ones with cu_seqlens, else the batch."""
+        return self.batch if self.cu_seqlens is None else len(self.cu_seqlens) - 1
 
 
 @dataclass(frozen=True)
@@ -216,11 +223,14 @@ def validate_attention_args(
     d_final_state: Any = None,
     who: str | None = None,
     need_do: bool = False,
+    cu_seqlens: Any = None,
 ) -> AttentionArgs:
     """Check every argument of an attention call; return them normalised.
 
     Shapes: q, k (batch, heads, seq_len, d_k); v and do (batch, heads, seq_len, d_v);
     initial_state and d_final_state (batch, heads, d_k, d_v). d_k may differ from d_v.
+    A packed batch (``cu_seqlens`` given, see :func:`validate_cu_seqlens`): q, k, v, do hold every sequence
+    on one batch row, (1, heads, total, d), and the states are (num_seqs, heads, d_k, d_v).
     ``who`` names a numpy-only function (no ``backend`` argument) in the error for torch inputs.
     ``need_do`` marks a backward call, where ``do`` = dL/do is required.
     """
@@ -253,10 +263,17 @@ def validate_attention_args(
     if backend == "triton":
         validate_head_dims(d_k, d_v, 256, "backend='triton'")
         validate_kernel_dtype("q (backend='triton')", q)
+    seqs = batch
+    if cu_seqlens is not None:
+        if batch != 1:
+            raise ValueError(f"with cu_seqlens, q, k and v hold the packed sequences on one batch row, shape "
+                             f"(1, heads, total, d); got batch {batch} (q shape {tuple(q.shape)})")
+        cu_seqlens = validate_cu_seqlens(cu_seqlens, seq_len)
+        seqs = len(cu_seqlens) - 1
     for name, x, shape in (
-        ("initial_state", initial_state, (batch, heads, d_k, d_v)),
+        ("initial_state", initial_state, (seqs, heads, d_k, d_v)),
         ("do", do, (batch, heads, seq_len, d_v)),
-        ("d_final_state", d_final_state, (batch, heads, d_k, d_v)),
+        ("d_final_state", d_final_state, (seqs, heads, d_k, d_v)),
     ):
         if x is None:
             continue
@@ -267,7 +284,55 @@ def validate_attention_args(
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
     if kind == "torch" and do is not None and do.dtype != q.dtype:
         raise TypeError(f"do must have the same dtype as q ({q.dtype}), got {do.dtype}")
-    return AttentionArgs(q, k, v, lam, backend, block, initial_state, do, kind, batch, heads, seq_len, d_k, d_v)
+    return AttentionArgs(q, k, v, lam, backend, block, initial_state, do, kind, batch, heads, seq_len, d_k, d_v,
+                         cu_seqlens)
+
+
+def validate_cu_seqlens(cu_seqlens: Any, total: int) -> tuple[int, ...]:
+    """The boundaries of a packed batch, checked: a 1-D integer sequence of length num_seqs + 1 that starts
+    at 0, never decreases (an empty sequence repeats a boundary) and ends at ``total``, the packed length
+    (the convention of flash-attn and fla). Returned as a tuple of Python ints.
+
+    It must live on the host: a list or tuple of ints, a numpy array or a CPU tensor. Reading a CUDA tensor
+    would make the host wait for the GPU on every call, so a CUDA tensor is refused; keep a CPU copy beside
+    it, as fla's ``cu_seqlens_cpu`` does.
+    """
+    torch = _torch()
+    if torch is not None and isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.device.type != "cpu":
+            raise ValueError(f"cu_seqlens must be on the host (a list, a numpy array or a CPU tensor): reading a "
+                             f"tensor on {cu_seqlens.device} would synchronise with the GPU; pass cu_seqlens.cpu() "
+                             "once and keep it")
+        if cu_seqlens.is_floating_point() or cu_seqlens.dtype == torch.bool:
+            raise TypeError(f"cu_seqlens must hold integers, got dtype {cu_seqlens.dtype}")
+        values = cu_seqlens.tolist()
+        ndim = cu_seqlens.ndim
+    elif isinstance(cu_seqlens, np.ndarray):
+        if not np.issubdtype(cu_seqlens.dtype, np.integer):
+            raise TypeError(f"cu_seqlens must hold integers, got dtype {cu_seqlens.dtype}")
+        values = cu_seqlens.tolist()
+        ndim = cu_seqlens.ndim
+    elif isinstance(cu_seqlens, (list, tuple)):
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in cu_seqlens):
+            raise TypeError(f"cu_seqlens must hold integers, got {list(cu_seqlens)!r}")
+        values, ndim = [int(x) for x in cu_seqlens], 1
+    else:
+        raise TypeError(f"cu_seqlens must be a list of ints, a numpy array or a CPU tensor, got "
+                        f"{type(cu_seqlens).__name__}")
+    if ndim != 1:
+        raise ValueError(f"cu_seqlens must be 1-D (num_seqs + 1 boundaries), got {ndim}-D")
+    if len(values) < 2:
+        raise ValueError(f"cu_seqlens must hold at least 2 boundaries (one sequence), got {values}")
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {values[0]} (cu_seqlens = {values})")
+    drops = [i for i in range(1, len(values)) if values[i] < values[i - 1]]
+    if drops:
+        i = drops[0]
+        raise ValueError(f"cu_seqlens must never decrease, got {values[i - 1]} then {values[i]} at positions "
+                         f"{i - 1}, {i}")
+    if values[-1] != total:
+        raise ValueError(f"cu_seqlens must end at the packed length {total} (q.shape[2]), got {values[-1]}")
+    return tuple(values)
 
 
 def validate_step_args(
