@@ -132,3 +132,12 @@ def test_one_segment_saves_nothing():
     _, _, (seg_len, incoming) = la2_fast_forward(q, k, v, log2_decay_tensor([0.9], "cpu"), block=16, seg_len=48,
                                                  save_states=True)
     assert seg_len == 48 and incoming is None
+
+
+def test_log2_decay_is_built_once_per_device_and_values():
+    from lightning_edu.triton_kernels import log2_decay_tensor
+
+    a = log2_decay_tensor([0.5, 1.0], "cpu")
+    assert a.tolist() == [-1.0, 0.0] and a.dtype == torch.float32
+    assert log2_decay_tensor(np.array([0.5, 1.0]), torch.device("cpu")) is a  # no new host-to-device copy
+    assert log2_decay_tensor([0.25, 1.0], "cpu") is not a

@@ -82,9 +82,24 @@ def backward_kernel(d_k: int, d_v: int, dtype: torch.dtype):
     return la2_fast_backward
 
 
+_LOG2_DECAY: dict = {}  # (device, log2 values) -> the device tensor, built once
+
+
 def log2_decay_tensor(decay, device) -> torch.Tensor:
-    """log2(lambda) per head as float32 on ``device`` (0 exactly for lambda = 1)."""
-    return torch.tensor([math.log2(float(x)) for x in decay], dtype=torch.float32, device=device)
+    """log2(lambda) per head as float32 on ``device`` (0 exactly for lambda = 1), from a sequence of lambdas.
+
+    Built once per (device, values) and then reused: copying a host list to a GPU makes the host wait for
+    the work already queued there, so a copy on every call would keep the host from running ahead of the
+    GPU. The cached tensor is read-only by contract (the kernels only load it).
+    """
+    values = tuple(math.log2(float(x)) for x in decay)
+    key = (torch.device(device), values)
+    cached = _LOG2_DECAY.get(key)
+    if cached is None:
+        if len(_LOG2_DECAY) >= 256:  # a model has a few decay vectors; a sweep over many starts again
+            _LOG2_DECAY.clear()
+        cached = _LOG2_DECAY[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return cached
 
 
 class TritonLightningAttention(torch.autograd.Function):
