@@ -43,9 +43,25 @@ def _lib(args):
     return torch, torch.cat, torch.stack
 
 
+def _stack_states(args, states, passed_through):
+    """Stack per-sequence states; a sequence with no tokens (None) takes ``passed_through[i]`` unchanged
+    (its initial state forward, its final-state gradient backward), or zeros, in the other states' dtype."""
+    lib, _, stack = _lib(args)
+    like = next(s for s in states if s is not None)
+    for i, s in enumerate(states):
+        if s is None:
+            if passed_through is None:
+                states[i] = lib.zeros_like(like)
+            elif args.kind == "numpy":
+                states[i] = np.asarray(passed_through[i], dtype=like.dtype)
+            else:
+                states[i] = passed_through[i].to(like.dtype)
+    return stack(states, 0)
+
+
 def packed_forward(impl, args):
     """(o, final states) of a packed call: o (1, heads, total, d_v), states (num_seqs, heads, d_k, d_v)."""
-    lib, cat, stack = _lib(args)
+    _, cat, _ = _lib(args)
     outs, states = [], [None] * args.num_seqs
     for i in range(args.num_seqs):
         one, _ = sequence_args(args, i)
@@ -57,18 +73,12 @@ def packed_forward(impl, args):
     o = cat(outs, 2)
     if impl.final_state is False or all(s is None for s in states):
         return o, None
-    like = next(s for s in states if s is not None)
-    for i, s in enumerate(states):
-        if s is None:  # an empty sequence ends where it started
-            init = args.initial_state
-            states[i] = (lib.zeros_like(like) if init is None else
-                         (init[i].astype(like.dtype) if args.kind == "numpy" else init[i].to(like.dtype)))
-    return o, stack(states, 0)
+    return o, _stack_states(args, states, args.initial_state)  # an empty sequence ends where it started
 
 
 def packed_backward(impl, args, d_final_state=None):
     """(dq, dk, dv, d_initial_states) of a packed call, each sequence's backward on its own slice."""
-    lib, cat, stack = _lib(args)
+    _, cat, _ = _lib(args)
     grads, d_states = [[], [], []], [None] * args.num_seqs
     for i in range(args.num_seqs):
         one, dsn = sequence_args(args, i, d_final_state)
@@ -81,10 +91,5 @@ def packed_backward(impl, args, d_final_state=None):
     dq, dk, dv = (cat(g, 2) for g in grads)
     if all(s is None for s in d_states):
         return dq, dk, dv, None
-    like = next(s for s in d_states if s is not None)
-    for i, s in enumerate(d_states):
-        if s is None:  # no tokens: the initial state reaches the final state unchanged
-            states = d_final_state
-            d_states[i] = (lib.zeros_like(like) if states is None else
-                           (np.asarray(states[i], dtype=like.dtype) if args.kind == "numpy" else states[i].to(like.dtype)))
-    return dq, dk, dv, stack(d_states, 0)
+    # No tokens: the initial state reaches the final state unchanged, and so does its gradient.
+    return dq, dk, dv, _stack_states(args, d_states, d_final_state)
