@@ -1,0 +1,198 @@
+"""Decoding without a KV cache: the memory a linear-attention state saves, and the speed of one step. (Chapter 10.)
+
+    python -m lightning_edu.perf.decode OUT.json        # on a CUDA machine
+
+Computed anywhere: :func:`kv_cache_bytes` and :func:`state_bytes` (and :func:`memory_table`) for a model of
+:data:`MODEL`'s shape. Measured by :func:`main` in one GPU run, one JSON record with the machine, versions and
+commit:
+
+* ``memory``: the peak bytes a decode loop of one layer (the model's heads, batch 1) allocates beyond its
+  inputs: our step carrying its state in place, and softmax attention (SDPA) over a preallocated KV cache,
+  at :data:`MEMORY_CONTEXTS` tokens.
+* ``speed``: one decode step of one layer (:data:`SPEED_HEADS` heads, head dim 128, bf16) at batch 1..256:
+  our Triton step kernel called directly (``kernel``), the same step through :func:`lightning_attention_step`
+  (``api``: validation included), and SDPA of one query over a KV cache of 4K, 32K and 128K tokens with the
+  new key and value written into the cache first (``sdpa flash`` / ``sdpa efficient``). Each timed eagerly
+  (``triton.testing.do_bench``: what a Python decode loop gets) and, where it captures, replayed from a CUDA
+  graph (``do_bench_cudagraph``: the GPU time alone). A cache that would not fit in :data:`CACHE_LIMIT_BYTES`
+  is recorded as skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+__all__ = ["MODEL", "CONTEXTS", "MEMORY_CONTEXTS", "SPEED_BATCHES", "SPEED_CONTEXTS", "SPEED_HEADS",
+           "CACHE_LIMIT_BYTES", "kv_cache_bytes", "state_bytes", "step_floor_bytes", "memory_table", "main"]
+
+#: The model the memory figures are stated for: the shape of a 7B-parameter decoder (hidden size 4096).
+MODEL = {"name": "7B-parameter decoder", "layers": 32, "heads": 32, "head_dim": 128}
+#: Context lengths of the computed memory table.
+CONTEXTS = (4096, 32768, 131072, 1 << 20, 4 << 20)
+#: Context lengths at which the memory of one layer's decode loop is measured (4M would need 64 GiB for one layer).
+MEMORY_CONTEXTS = (4096, 32768, 131072, 1 << 20)
+SPEED_BATCHES = (1, 4, 16, 64, 256)
+SPEED_CONTEXTS = (4096, 32768, 131072)
+SPEED_HEADS = 16
+#: The largest KV cache (one layer) the speed run allocates; larger points are recorded as not fitting.
+CACHE_LIMIT_BYTES = 40 * 2**30
+
+
+def kv_cache_bytes(tokens: int, *, layers: int, heads: int, head_dim: int, batch: int = 1, elem_bytes: int = 2) -> int:
+    """Bytes of a softmax KV cache: a key and a value of ``head_dim`` per token, head, layer and sequence."""
+    return 2 * batch * layers * heads * tokens * head_dim * elem_bytes
+
+
+def state_bytes(*, layers: int, heads: int, d_k: int, d_v: int | None = None, batch: int = 1, elem_bytes: int = 4) -> int:
+    """Bytes of the linear-attention states: one d_k x d_v matrix per head, layer and sequence (float32 by
+    default, as the kernels keep it). It does not grow with the context."""
+    return batch * layers * heads * d_k * (d_k if d_v is None else d_v) * elem_bytes
+
+
+def step_floor_bytes(batch: int, heads: int, d_k: int, d_v: int, elem_bytes: int = 2) -> int:
+    """HBM bytes one decode step cannot avoid: the float32 state read and written, q, k, v read and o written."""
+    return batch * heads * (2 * d_k * d_v * 4 + (2 * d_k + 2 * d_v) * elem_bytes)
+
+
+def memory_table(model: dict = MODEL, contexts=CONTEXTS, batch: int = 1) -> list[dict]:
+    """Per context length: the whole model's bf16 KV cache, its float32 states, and their ratio."""
+    shape = dict(layers=model["layers"], heads=model["heads"])
+    state = state_bytes(**shape, d_k=model["head_dim"], batch=batch)
+    rows = []
+    for n in contexts:
+        cache = kv_cache_bytes(n, **shape, head_dim=model["head_dim"], batch=batch)
+        rows.append({"tokens": n, "kv_cache_bytes": cache, "state_bytes": state, "ratio": cache / state})
+    return rows
+
+
+def _decays(heads: int) -> list[float]:
+    return [math.exp(-(2.0 ** (-8.0 * (h + 1) / heads))) for h in range(heads)]
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from ..api import lightning_attention_step
+    from ..triton_kernels import log2_decay_tensor
+    from ..triton_kernels.decode import decode_step
+    from .bench import copy_bandwidth
+    from .environment import environment_record
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__)
+        return 2
+    if not torch.cuda.is_available():
+        print("python -m lightning_edu.perf.decode measures on a CUDA GPU; none is available here.")
+        return 2
+    path = argv[0]
+    record = {**environment_record("python -m lightning_edu.perf.decode " + " ".join(argv)), "model": MODEL,
+              "speed_heads": SPEED_HEADS, "head_dim": 128, "dtype": "bfloat16", "memory": [], "speed": [],
+              "errors": []}
+    record["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
+    start = time.time()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    d = 128
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def peak_beyond(run) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated() - base)
+
+    # -- memory: one layer, the model's heads, batch 1, a loop of `steps` new tokens after a context of n.
+    heads = MODEL["heads"]
+    steps = 16
+    l2 = log2_decay_tensor(_decays(heads), "cuda")
+    q, k, v = (rand(1, heads, steps, d) for _ in range(3))
+    for n in MEMORY_CONTEXTS:
+        def ours():
+            state = torch.zeros(1, heads, d, d, device="cuda")  # the prefill's state stands here
+            for t in range(steps):
+                decode_step(q[:, :, t], k[:, :, t], v[:, :, t], state, l2, out_state=state)
+
+        def softmax():
+            cache_k = torch.zeros(1, heads, n + steps, d, device="cuda", dtype=torch.bfloat16)
+            cache_v = torch.zeros_like(cache_k)
+            for t in range(steps):
+                cache_k[:, :, n + t] = k[:, :, t]
+                cache_v[:, :, n + t] = v[:, :, t]
+                F.scaled_dot_product_attention(q[:, :, t:t + 1], cache_k[:, :, :n + t + 1], cache_v[:, :, :n + t + 1])
+
+        for method, run in (("ours", ours), ("sdpa", softmax)):
+            try:
+                row = dict(method=method, tokens=n, heads=heads, peak_extra_bytes=peak_beyond(run))
+            except Exception as e:  # a failed point is recorded, not fatal
+                row = dict(method=method, tokens=n, error=repr(e)[:300])
+            record["memory"].append(row)
+            print(f"{time.time() - start:5.0f}s", json.dumps(row), flush=True)
+            save()
+    torch.cuda.empty_cache()
+
+    # -- speed: one step of one layer.
+    heads = SPEED_HEADS
+    decay = _decays(heads)
+    l2 = log2_decay_tensor(decay, "cuda")
+
+    def timed(method, batch, context, fn, **extra):
+        row = dict(method=method, batch=batch, context=context, **extra)
+        for key, bench in (("ms", lambda: do_bench(fn, warmup=25, rep=200, return_mode="median")),
+                           ("graph_ms", lambda: do_bench_cudagraph(fn, rep=200, return_mode="median"))):
+            try:
+                row[key] = bench()
+                row[key.replace("ms", "tokens_per_s")] = batch / (row[key] * 1e-3)
+            except Exception as e:
+                row[key + "_error"] = repr(e)[:200]
+        record["speed"].append(row)
+        print(f"{time.time() - start:5.0f}s", json.dumps(row), flush=True)
+        save()
+
+    for batch in SPEED_BATCHES:
+        q, k, v = (rand(batch, heads, d) for _ in range(3))
+        state = torch.randn(batch, heads, d, d, device="cuda", generator=gen) * 0.01
+        floor = step_floor_bytes(batch, heads, d, d)
+        timed("ours kernel", batch, None, lambda: decode_step(q, k, v, state, l2, out_state=state), floor_bytes=floor)
+        timed("ours api", batch, None, lambda: lightning_attention_step(q, k, v, state, decay, backend="triton"),
+              floor_bytes=floor)
+        for n in SPEED_CONTEXTS:
+            cache = kv_cache_bytes(n + 1, layers=1, heads=heads, head_dim=d, batch=batch)
+            if cache > CACHE_LIMIT_BYTES:
+                record["speed"].append(dict(method="sdpa", batch=batch, context=n, cache_bytes=cache,
+                                            skipped=f"a KV cache of {cache / 2**30:.0f} GiB for one layer"))
+                save()
+                continue
+            cache_k = torch.empty(batch, heads, n + 1, d, device="cuda", dtype=torch.bfloat16).normal_(generator=gen)
+            cache_v = torch.empty_like(cache_k).normal_(generator=gen)
+            for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION),
+                                  ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION)):
+                def step(backend=backend):
+                    cache_k[:, :, n] = k
+                    cache_v[:, :, n] = v
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q[:, :, None], cache_k, cache_v)
+
+                timed(name, batch, n, step, cache_bytes=cache)
+            del cache_k, cache_v
+            torch.cuda.empty_cache()
+    print(f"{time.time() - start:5.0f}s done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
