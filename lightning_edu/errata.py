@@ -13,7 +13,9 @@ T = n / B). Blocks are numbered 1..T as the paper numbers them; block t holds po
 (1-based), i.e. rows (t-1)B .. tB-1 of the arrays. Inside a block, r = 1..B.
 
 :data:`ERRATA` lists every slip with a literal function, a corrected one and the gradient they are
-compared on; :func:`evidence` measures both against autograd.
+compared on; :func:`evidence` measures both against autograd. One table is not an equation: the memory table
+of the explainer on feature maps and decoding, "Inference: No KV Cache" (:func:`explainer_memory_table`,
+chapter 10).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from .numpy_reference import decay_mask
 from .validation import validate_attention_args, validate_block_size, validate_choice, validate_decay
 
 __all__ = [
+    "EXPLAINER_MEMORY_TABLE",
+    "explainer_memory_table",
     "autograd_gradients", "finite_difference_gradients",
     "eq11_eq12_token_gradients", "eq13_dkv_definition", "eq20_dkv_recursion", "eq20_dkv_recursion_corrected",
     "dq_eq15", "dk_eq16", "dk_eq17", "dv_eq18_literal", "dv_eq18", "dv_eq19", "algorithm2",
@@ -503,6 +507,41 @@ def la3_micro_buffer_table(CBLOCK: int = 16, d: int = 64, bytes_per: int = 4, op
     }
     table["total"] = (sum(p for p, _ in table.values()), sum(t for _, t in table.values()))
     return table
+
+
+# --------------------------------------------------------------------------------------------------
+# The explainer on feature maps and decoding: its memory table. (Chapter 10.)
+# --------------------------------------------------------------------------------------------------
+
+#: The explainer's "Memory Usage: Standard vs Lightning Attention (d=128, FP16)" table as printed, in bytes
+#: (its MB, GB and TB are binary units: 32 MB = 4096^2 x 2 bytes). tokens -> (standard, FlashAttention, Lightning).
+EXPLAINER_MEMORY_TABLE = {
+    4096: (32 * 2**20, 2**19, 2 * 2**20),
+    131072: (32 * 2**30, 16 * 2**20, 2 * 2**20),
+    1 << 20: (2 * 2**40, 128 * 2**20, 2 * 2**20),
+    4 << 20: (32 * 2**40, 512 * 2**20, 2 * 2**20),
+}
+
+
+def explainer_memory_table(d: int = 128, elem_bytes: int = 2) -> list[dict]:
+    """The explainer's memory table beside what each quantity is, per head and layer, at head dim ``d``.
+
+    Per row (tokens n): ``printed_*`` from :data:`EXPLAINER_MEMORY_TABLE`, and computed
+    ``score_matrix`` n^2 fp16 values (what "standard attention" materialises in a forward pass),
+    ``kv_cache`` 2 n d fp16 values (the keys and values a softmax decoder keeps, FlashAttention or not),
+    ``flash_workspace`` n float32 values (the log-sum-exp FlashAttention keeps for its backward),
+    ``state_fp16`` / ``state_fp32`` the d x d state, and ``printed_flash_over_cache``, the printed
+    FlashAttention column as a fraction of the KV cache the text says it stands for.
+    """
+    rows = []
+    for n, (standard, flash, lightning) in EXPLAINER_MEMORY_TABLE.items():
+        cache = 2 * n * d * elem_bytes
+        rows.append({
+            "tokens": n, "printed_standard": standard, "printed_flash": flash, "printed_lightning": lightning,
+            "score_matrix": n * n * elem_bytes, "kv_cache": cache, "flash_workspace": 4 * n,
+            "state_fp16": d * d * 2, "state_fp32": d * d * 4, "printed_flash_over_cache": flash / cache,
+        })
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------

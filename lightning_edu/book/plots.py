@@ -30,6 +30,8 @@ METHOD_COLORS = {
     "state": "#009E73",  # updating the carried KV state (the recurrence's colour: it is what the recurrence carries)
     "paper_literal": "#CC79A7",  # a printed formula run literally (chapter 04: lambda^B Lambda^-1)
     "la3": "#882255",  # the recompute-heavy backward of chapter 09
+    "kahan": "#117733",  # a compensated float32 state (chapter 10)
+    "float64": "#332288",
 }
 
 

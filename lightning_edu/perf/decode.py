@@ -9,7 +9,7 @@ commit:
 * ``memory``: the peak bytes a decode loop of one layer (the model's heads, batch 1) allocates beyond its
   inputs: our step carrying its state in place, and softmax attention (SDPA) over a preallocated KV cache,
   at :data:`MEMORY_CONTEXTS` tokens.
-* ``speed``: one decode step of one layer (:data:`SPEED_HEADS` heads, head dim 128, bf16) at batch 1..256:
+* ``results`` (the speed): one decode step of one layer (:data:`SPEED_HEADS` heads, head dim 128, bf16) at batch 1..256:
   our Triton step kernel called directly (``kernel``), the same step through :func:`lightning_attention_step`
   (``api``: validation included), and SDPA of one query over a KV cache of 4K, 32K and 128K tokens with the
   new key and value written into the cache first (``sdpa flash`` / ``sdpa efficient``). Each timed eagerly
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         return 2
     path = argv[0]
     record = {**environment_record("python -m lightning_edu.perf.decode " + " ".join(argv)), "model": MODEL,
-              "speed_heads": SPEED_HEADS, "head_dim": 128, "dtype": "bfloat16", "memory": [], "speed": [],
+              "speed_heads": SPEED_HEADS, "head_dim": 128, "dtype": "bfloat16", "memory": [], "results": [],
               "errors": []}
     record["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
     start = time.time()
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
                 row[key.replace("ms", "tokens_per_s")] = batch / (row[key] * 1e-3)
             except Exception as e:
                 row[key + "_error"] = repr(e)[:200]
-        record["speed"].append(row)
+        record["results"].append(row)
         print(f"{time.time() - start:5.0f}s", json.dumps(row), flush=True)
         save()
 
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         for n in SPEED_CONTEXTS:
             cache = kv_cache_bytes(n + 1, layers=1, heads=heads, head_dim=d, batch=batch)
             if cache > CACHE_LIMIT_BYTES:
-                record["speed"].append(dict(method="sdpa", batch=batch, context=n, cache_bytes=cache,
+                record["results"].append(dict(method="sdpa", batch=batch, context=n, cache_bytes=cache,
                                             skipped=f"a KV cache of {cache / 2**30:.0f} GiB for one layer"))
                 save()
                 continue
