@@ -48,6 +48,12 @@ def lightning_attention(
     0, never decreasing, ending at total) marks where each starts; initial_state and the returned state are
     then (num_seqs, heads, d_k, d_v). Each sequence starts from its own state: nothing crosses a boundary.
 
+    A learnable decay (chapter 06): on the torch and triton backends decay may be a tensor of per-head lambdas
+    that requires grad; autograd then gives dL/dlambda with the other gradients. A decay tensor on a GPU is
+    never read by the host (no waiting for the GPU): its values are checked on the device, where a lambda
+    outside (0, 1] turns that head's outputs to NaN; a float, list, array or CPU tensor is checked here and
+    refused with a ValueError.
+
     Non-finite inputs stay causal: an output is NaN or inf exactly when it depends on a NaN or inf input.
     On a machine without CUDA the "triton" backend runs Triton's CPU interpreter, whose bfloat16
     arithmetic is wrong: bfloat16 tensors are computed there in float32 and the output rounded to bfloat16.
@@ -55,11 +61,12 @@ def lightning_attention(
     Unsupported, each refused with a TypeError or ValueError that names the argument:
     backend "numpy" with torch tensors, "torch"/"triton" with numpy arrays; "triton" with float64
     (``tl.dot`` has no float64), with d_k or d_v > 256, with a block_size that is not a power of two >= 16,
-    or with CPU tensors when the interpreter is off; a decay tensor that requires grad (no backend computes
-    dL/dlambda yet); numpy masked arrays (the mask would be ignored).
+    or with CPU tensors when the interpreter is off; a decay tensor that requires grad on the numpy backend;
+    numpy masked arrays (the mask would be ignored).
     """
     args = validate_attention_args(
-        q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state, cu_seqlens=cu_seqlens
+        q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state, cu_seqlens=cu_seqlens,
+        decay_grad=True,
     )
     return_state = validate_flag("return_state", return_state)
     impl = registry.backend_for(args.backend)
@@ -88,8 +95,9 @@ def lightning_attention_backward(
     :func:`lightning_attention` ("auto": numpy for numpy arrays, triton for CUDA tensors, torch otherwise), and
     ``cu_seqlens`` too (a packed batch: d_final_state and d_initial_state are then per sequence).
 
-    Unsupported: everything :func:`lightning_attention` refuses, and ``do=None`` (a TypeError: the
-    backward needs dL/do).
+    Unsupported: everything :func:`lightning_attention` refuses, ``do=None`` (a TypeError: the backward needs
+    dL/do), and a decay tensor that requires grad (a TypeError: this function returns no dL/dlambda; call
+    :func:`lightning_attention` and let autograd give it).
     """
     args = validate_attention_args(
         q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state, do=do,
@@ -129,7 +137,7 @@ def lightning_attention_step(q, k, v, state=None, decay=1.0, *, backend: str = "
     Unsupported, each refused with a TypeError or ValueError that names the argument: q, k or v with a
     sequence axis (4-D: drop it, or call :func:`lightning_attention` for a whole sequence); everything
     :func:`lightning_attention` refuses for its backend and dtypes (mixed numpy and torch, non-float dtypes,
-    "triton" with float64 or d_k or d_v > 256, a decay outside (0, 1] or one that requires grad).
+    "triton" with float64 or d_k or d_v > 256, a decay outside (0, 1], one that requires grad except on "torch").
     """
     args = validate_step_args(q, k, v, state, decay, backend)
     return registry.backend_for(args.backend, op="step").forward(args)

@@ -45,13 +45,15 @@ __all__ = [
 # The judges: float64 autograd on the quadratic form, and central finite differences.
 # --------------------------------------------------------------------------------------------------
 
-def autograd_gradients(q, k, v, do, decay=1.0, initial_state=None, d_final_state=None):
+def autograd_gradients(q, k, v, do, decay=1.0, initial_state=None, d_final_state=None, with_decay: bool = False):
     """dL/dq, dL/dk, dL/dv, dL/d initial_state by torch float64 autograd through the masked quadratic form.
 
     L = <o, do> + <KV_n, d_final_state>, where o = [(Q K^T) * M] V + diag(lambda^t) Q KV_0 and
     KV_n = sum_s lambda^(n-s) k_s^T v_s + lambda^n KV_0 (t, s = 1..n). Shapes as in
     :func:`lightning_edu.lightning_attention_backward`: q, k (batch, heads, n, d_k), v, do (batch, heads, n, d_v),
     states (batch, heads, d_k, d_v). Nothing blockwise or recurrent is involved: this is the judge.
+    With ``with_decay`` a fifth array follows: dL/dlambda, one value per head (the judge of chapter 06's
+    learnable decay: autograd through every power lambda^(t-s) of M, lambda^t and lambda^(n-s)).
     """
     import torch
 
@@ -59,7 +61,8 @@ def autograd_gradients(q, k, v, do, decay=1.0, initial_state=None, d_final_state
     t64 = lambda x: torch.tensor(np.asarray(x, dtype=np.float64), dtype=torch.float64)  # noqa: E731
     qt, kt, vt = (t64(x).requires_grad_(True) for x in (args.q, args.k, args.v))
     s0 = t64(np.zeros((args.batch, args.heads, args.d_k, args.d_v)) if initial_state is None else initial_state).requires_grad_(True)
-    lam = t64(args.decay)[:, None, None]
+    lam_heads = t64(args.decay).requires_grad_(with_decay)
+    lam = lam_heads[:, None, None]
     pos = torch.arange(1, args.seq_len + 1, dtype=torch.float64)
     gap = pos[:, None] - pos[None, :]
     mask = torch.where(gap >= 0, lam ** gap.clamp(min=0), torch.zeros(()))  # (heads, n, n)
@@ -70,7 +73,8 @@ def autograd_gradients(q, k, v, do, decay=1.0, initial_state=None, d_final_state
     if d_final_state is not None:
         loss = loss + (kv_n * t64(d_final_state)).sum()
     loss.backward()
-    return tuple(x.grad.numpy() for x in (qt, kt, vt, s0))
+    grads = tuple(x.grad.numpy() for x in (qt, kt, vt, s0))
+    return grads + (lam_heads.grad.numpy(),) if with_decay else grads
 
 
 def finite_difference_gradients(q, k, v, do, decay=1.0, initial_state=None, d_final_state=None, h: float = 1e-3):

@@ -32,13 +32,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .validation import validate_attention_args, validate_choice
+from .validation import device_decay, validate_attention_args, validate_choice
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "SCANS",
     "compute_dtype",
     "decay_tensor",
+    "decay_gradient",
+    "decay_gradient_from_grads",
     "masked_product",
     "block_factors",
     "to_blocks",
@@ -71,8 +73,80 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def decay_tensor(decay, device, dtype=torch.float64) -> torch.Tensor:
-    """lambda as a tensor of shape (heads,) on ``device`` (from the validated float64 numpy array)."""
-    return torch.as_tensor(np.asarray(decay, dtype=np.float64), dtype=torch.float64, device=device).to(dtype)
+    """lambda as a tensor of shape (heads,) on ``device``, from the validated decay (a float64 numpy array, or a
+    tensor that keeps its autograd graph: see :func:`lightning_edu.validation.device_decay`)."""
+    return device_decay(decay, device, dtype)
+
+
+def decay_gradient_from_grads(q, k, dq, dk, final_state=None, d_final_state=None) -> torch.Tensor:
+    """dL/d(ln lambda) per head from the gradients of q and k: short, exact in exact arithmetic, and
+    ill-conditioned in floating point. (Chapter 06.)
+
+    Every term of o_t and of the final state S_n carries lambda^(t-s) for a query (or the end, t = n) at
+    position t and a key (or the initial state, s = 0) at position s, and d/d(ln lambda) of lambda^(t-s) is
+    (t - s) lambda^(t-s). Summing those terms by query gives q_t . dq_t, by key k_s . dk_s, so
+
+        dL/d(ln lambda) = sum_t t (q_t . dq_t - k_t . dk_t) + n <dL/dS_n, S_n>,   t = 1..n.
+
+    The diagonal terms (s = t, weight 0) sit in both q_t . dq_t and k_t . dk_t and cancel only in exact
+    arithmetic: each is rounded where dq and dk were, then multiplied by t. For small lambda they dominate, and
+    in float32 at lambda = 1e-3 the result is off by 1e-3 relative (in float16 by 90 %). The backends use
+    :func:`decay_gradient` instead. Returns float64 (heads,).
+    """
+    acc = torch.promote_types(dq.dtype, torch.float32)
+    per_token = (q.to(acc) * dq.to(acc)).sum(-1) - (k.to(acc) * dk.to(acc)).sum(-1)  # (batch, heads, n)
+    n = q.shape[2]
+    t = torch.arange(1, n + 1, device=q.device, dtype=torch.float64)
+    grad = (per_token.double() * t).sum(dim=(0, 2))
+    if d_final_state is not None and final_state is not None:
+        grad = grad + n * (d_final_state.double() * final_state.double()).sum(dim=(0, 2, 3))
+    return grad
+
+
+def decay_gradient(q, k, v, do, decay, initial_state=None, d_final_state=None, block_size: int | None = None,
+                   scan: str = "sequential") -> torch.Tensor:
+    """dL/d(ln lambda) per head, by the tangent of the forward. (Chapter 06.)
+
+    Differentiate the recurrence with respect to g = ln lambda: W_t = dS_t/dg obeys
+
+        W_t = lambda W_(t-1) + lambda S_(t-1),   W_0 = 0,
+
+    and per block of length L (entering states S_i, W_i): W_(i+1) = lambda^L (W_i + L S_i) + sum_j (L-1-j)
+    lambda^(L-1-j) k_j^T v_j, the same scan as S with a position-weighted local state. Then, with r = j + 1 the
+    1-based row in the block,
+
+        dL/dg = sum_blocks [ sum_(r >= r') (r - r') lambda^(r-r') (q_r . k_r')(do_r . v_r')
+                             + sum_r lambda^r (r q_r S_i + q_r W_i) . do_r ] + <dL/dS_n, W_n>.
+
+    Every weight (r - r') is exact and the diagonal's is 0, so nothing cancels (unlike
+    :func:`decay_gradient_from_grads`). Cost: one more chunked pass over q, k, v, do. Inputs as validated:
+    (batch, heads, n, d) tensors, decay (heads,) (numpy or tensor); computed in :func:`compute_dtype`, the
+    factors in float64. Returns float64 (heads,); dL/dlambda is this divided by lambda.
+    """
+    n, block, dtype, (mask, q_scale, k_scale, block_decay), (qb, kb, vb), state0 = _prepare(
+        q, k, v, initial_state, decay, block_size
+    )
+    dob = to_blocks(do.to(dtype), block)
+    n_blocks = qb.shape[2]
+    lam = decay_tensor(decay, q.device)  # float64 (heads,)
+    starts = torch.arange(n_blocks, device=q.device) * block
+    ends = torch.clamp(starts + block, max=n)
+    rows = starts[:, None] + torch.arange(block, device=q.device)[None, :]
+    key_gap = (ends[:, None] - 1 - rows).clamp(min=0).to(dtype)[..., None]  # L-1-j, (n_blocks, B, 1)
+    states = scan_states(local_block_states(kb, vb, k_scale), block_decay, state0, scan)  # S_i, and S_n last
+    lengths = (ends - starts).to(dtype)[None, :, None, None]  # L per block
+    w_local = local_block_states(kb, vb, key_gap * k_scale) + (block_decay[:, :, None, None] * lengths) * states[:, :, :-1]
+    tangents = scan_states(w_local, block_decay, None, scan)  # W_i, and W_n last
+    r = torch.arange(1, block + 1, device=q.device, dtype=dtype)
+    gap = (r[:, None] - r[None, :]).clamp(min=0)  # r - r' on and below the diagonal
+    causal = _causal(block, q.device)
+    weights = torch.where(causal, gap * mask, 0.0)  # (heads, 1, B, B)
+    intra = ((qb @ kb.transpose(-1, -2)) * (dob @ vb.transpose(-1, -2)) * weights).sum(dim=(-1, -2))
+    inter = (q_scale * ((r[:, None] * qb) @ states[:, :, :-1] + qb @ tangents[:, :, :-1]) * dob).sum(dim=(-1, -2))
+    grad = (intra.double() + inter.double()).sum(dim=(0, 2))
+    if d_final_state is not None:
+        grad = grad + (d_final_state.double() * tangents[:, :, -1].double()).sum(dim=(0, 2, 3))
+    return grad
 
 
 def masked_product(weights: torch.Tensor, keep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -327,13 +401,16 @@ def _backward(q, k, v, do, initial_state, d_final_state, decay, block_size, scan
 class LightningAttentionFunction(torch.autograd.Function):
     """Chunk-parallel forward (Algorithm 1) with a hand-written chunk-parallel backward (Algorithm 2).
 
-    ``apply(q, k, v, initial_state, decay, block_size, scan)`` with decay a float64 numpy array (heads,)
-    and initial_state a tensor or None; returns (o, final_state). Inputs are assumed validated.
+    ``apply(q, k, v, initial_state, decay, block_size, scan)`` with decay as validated (a float64 numpy array
+    (heads,), or a tensor: one that requires grad gets dL/dlambda by :func:`decay_gradient`) and initial_state
+    a tensor or None; returns (o, final_state). Inputs are assumed validated.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, initial_state, decay, block_size, scan):
+        ctx.set_materialize_grads(False)
         o, final = _forward(q, k, v, initial_state, decay, block_size, scan)
+        ctx.decay_grad = torch.is_tensor(decay) and decay.requires_grad
         ctx.save_for_backward(q, k, v, initial_state)
         ctx.decay, ctx.block_size, ctx.scan = decay, block_size, scan
         return o, final
@@ -342,9 +419,16 @@ class LightningAttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, d_final):
         q, k, v, initial_state = ctx.saved_tensors
-        dq, dk, dv, d_init = _backward(q, k, v, do, initial_state, d_final, ctx.decay, ctx.block_size, ctx.scan)
+        do = torch.zeros_like(v) if do is None else do
+        decay = ctx.decay.detach() if torch.is_tensor(ctx.decay) else ctx.decay
+        dq, dk, dv, d_init = _backward(q, k, v, do, initial_state, d_final, decay, ctx.block_size, ctx.scan)
         d_init = None if initial_state is None else d_init.to(initial_state.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_init, None, None, None
+        d_decay = None
+        if ctx.decay_grad:  # dL/dlambda = dL/d(ln lambda) / lambda
+            lam = decay_tensor(decay, q.device)
+            d_ln = decay_gradient(q, k, v, do, decay, initial_state, d_final, ctx.block_size, ctx.scan)
+            d_decay = (d_ln / lam).to(ctx.decay.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_init, d_decay, None, None
 
 
 def chunked_forward(q, k, v, decay=1.0, block_size: int | None = None, initial_state=None, scan: str = "sequential"):
@@ -356,7 +440,8 @@ def chunked_forward(q, k, v, decay=1.0, block_size: int | None = None, initial_s
     in the compute dtype. Memory, per group of G blocks (:func:`blocks_per_group`; G = n/B on a GPU): G + 1
     block states, each d_k x d_v, plus the (G, B, B) scores; the backward keeps all n/B states.
     """
-    args = validate_attention_args(q, k, v, decay, backend="torch", block_size=block_size, initial_state=initial_state)
+    args = validate_attention_args(q, k, v, decay, backend="torch", block_size=block_size, initial_state=initial_state,
+                                   decay_grad=True)
     validate_choice("scan", scan, SCANS)
     return LightningAttentionFunction.apply(args.q, args.k, args.v, args.initial_state, args.decay, args.block_size, scan)
 

@@ -19,7 +19,7 @@ BACKENDS = ("auto", "numpy", "torch", "triton")
 
 __all__ = [
     "BACKENDS", "KERNEL_DTYPES", "AttentionArgs", "StepArgs", "validate_attention_args", "validate_step_args",
-    "validate_cu_seqlens", "validate_decay", "validate_block_size",
+    "validate_cu_seqlens", "validate_decay", "device_decay", "validate_block_size",
     "validate_flag", "validate_choice", "validate_positive_int", "validate_kernel_dtype", "validate_head_dims",
     "check_finite_scalar",
 ]
@@ -59,7 +59,9 @@ def _is_float(x: Any) -> bool:
 class AttentionArgs:
     """Checked and normalised arguments of one attention call.
 
-    ``decay`` is always a float64 numpy array of shape (heads,), whatever form it was given in.
+    ``decay`` is a float64 numpy array of shape (heads,), whatever form it was given in, except for the torch
+    and triton backends given a torch tensor on a GPU or one that requires grad: then it is that tensor, shape
+    (heads,), its values unread on the host (see :func:`validate_decay`; consumers call :func:`device_decay`).
     ``cu_seqlens`` (a packed batch) is a tuple of Python ints on the host, or None.
     """
 
@@ -90,7 +92,7 @@ class StepArgs:
     """Checked and normalised arguments of one decoding step (one token per batch and head).
 
     q, k: (batch, heads, d_k); v: (batch, heads, d_v); state: (batch, heads, d_k, d_v) or None (zeros).
-    ``decay`` is a float64 numpy array of shape (heads,), as in :class:`AttentionArgs`.
+    ``decay`` is a float64 numpy array of shape (heads,), or a torch tensor, as in :class:`AttentionArgs`.
     """
 
     q: Any
@@ -117,26 +119,49 @@ def validate_block_size(block_size: Any, name: str = "block_size") -> int | None
     return int(block_size)
 
 
-def validate_decay(decay: Any, heads: int | None = None, name: str = "decay") -> np.ndarray:
+def validate_decay(decay: Any, heads: int | None = None, name: str = "decay", *, keep_tensor: bool = False,
+                   allow_grad: bool = False):
     """Return lambda as a float64 array of shape (heads,), checking 0 < lambda <= 1 everywhere.
 
     ``decay`` may be a Python/numpy number (shared by every head) or a 1-D sequence, numpy array or
     torch tensor with one value per head.  With ``heads=None`` the number of values is not checked and a
     scalar gives an array of shape (1,).
+
+    Two kinds of torch tensor are returned as tensors of shape (heads,) instead, when ``keep_tensor``
+    (the torch and triton backends) allows it:
+
+    * one on a GPU: its shape and dtype are checked, its values are not read, since reading them would make
+      the host wait for the GPU on every call. :func:`device_decay` turns a lambda outside (0, 1] into NaN
+      on the device, so that head's outputs come out NaN rather than silently wrong;
+    * one that requires grad, where ``allow_grad`` says the caller computes dL/dlambda (its values are
+      checked when it lives on the CPU).
+
+    A tensor that requires grad anywhere else is refused (TypeError): detaching it would drop its gradient
+    without a word.
     """
     if isinstance(decay, bool) or decay is None:
         raise TypeError(f"{name} must be a float in (0, 1] or one value per head, got {type(decay).__name__} {decay!r}")
     if isinstance(decay, np.ma.MaskedArray):
         raise TypeError(f"{name} must be a plain array, got a numpy masked array (its mask would be ignored); use .filled()")
+    tensor = None
     if _kind(decay) == "torch":
         if not decay.is_floating_point():
             raise TypeError(f"{name} must hold floats in (0, 1], got a tensor of dtype {decay.dtype}")
-        if decay.requires_grad and _torch().is_grad_enabled():
-            # Detaching would drop dL/dlambda without a word; no backend computes it yet.
+        wants_grad = decay.requires_grad and _torch().is_grad_enabled()
+        if wants_grad and not allow_grad:
             raise TypeError(
-                f"{name} requires grad, but no backend computes the gradient with respect to lambda; "
-                f"pass {name}.detach() (or a float) to treat lambda as a constant"
+                f"{name} requires grad, but this call computes no gradient with respect to lambda (only "
+                f"lightning_attention with backend 'torch' or 'triton', and lightning_attention_step with backend "
+                f"'torch', do); pass {name}.detach() (or a float) to treat lambda as a constant"
             )
+        if keep_tensor and (decay.device.type != "cpu" or wants_grad):
+            tensor = decay
+        if tensor is not None and decay.device.type != "cpu":
+            if decay.ndim > 1:
+                raise ValueError(f"{name} must be a scalar or 1-D with one value per head, got shape {tuple(decay.shape)}")
+            if decay.ndim == 1 and heads is not None and decay.shape[0] != heads:
+                raise ValueError(f"{name} must have one value per head: expected length {heads}, got length {decay.shape[0]}")
+            return decay.reshape(-1).expand(heads or 1) if decay.ndim == 0 else decay
         values = decay.detach().to("cpu", dtype=_torch().float64).numpy()
     elif isinstance(decay, numbers.Real):
         values = np.asarray(float(decay), dtype=np.float64)
@@ -160,7 +185,25 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay") ->
         i = int(np.flatnonzero(bad)[0])
         where = "" if scalar or values.shape[0] == 1 else f" (head {i})"  # a shared scalar belongs to no one head
         raise ValueError(f"{name} must lie in (0, 1]{where}, got {float(values[i])!r}")  # float: no np.float64(...) in the message
+    if tensor is not None:  # a CPU tensor that requires grad: checked above, returned with its graph
+        return tensor.reshape(-1).expand(values.shape[0]) if tensor.ndim == 0 else tensor
     return values
+
+
+def device_decay(decay, device, dtype):
+    """lambda as a (heads,) torch tensor of ``dtype`` on ``device``, from what :func:`validate_decay` returned.
+
+    A float64 numpy array is copied to the device. A tensor keeps its autograd graph; if it lives on a GPU its
+    values were never read on the host, so here, on the device, a lambda outside (0, 1] (or NaN) becomes NaN:
+    the outputs of that head turn NaN instead of silently wrong, and the host never waits for the GPU.
+    """
+    torch = _torch()
+    if isinstance(decay, np.ndarray):
+        return torch.as_tensor(decay, dtype=torch.float64).to(device=device, dtype=dtype)
+    lam = decay.to(device=device, dtype=dtype)
+    if decay.device.type == "cpu":  # read and checked by validate_decay
+        return lam
+    return torch.where((lam > 0) & (lam <= 1), lam, torch.nan)
 
 
 def _check_tensor(name: str, x: Any, kind: str | None) -> str:
@@ -224,6 +267,7 @@ def validate_attention_args(
     who: str | None = None,
     need_do: bool = False,
     cu_seqlens: Any = None,
+    decay_grad: bool = False,
 ) -> AttentionArgs:
     """Check every argument of an attention call; return them normalised.
 
@@ -232,7 +276,9 @@ def validate_attention_args(
     A packed batch (``cu_seqlens`` given, see :func:`validate_cu_seqlens`): q, k, v, do hold every sequence
     on one batch row, (1, heads, total, d), and the states are (num_seqs, heads, d_k, d_v).
     ``who`` names a numpy-only function (no ``backend`` argument) in the error for torch inputs.
-    ``need_do`` marks a backward call, where ``do`` = dL/do is required.
+    ``need_do`` marks a backward call, where ``do`` = dL/do is required. ``decay_grad`` says the caller
+    returns dL/dlambda through autograd (the torch and triton backends of :func:`lightning_attention`): only
+    then may decay be a tensor that requires grad.
     """
     if need_do and do is None:
         raise TypeError("do (the gradient dL/do, shaped like the output o) is required for the backward pass, got None")
@@ -255,9 +301,11 @@ def validate_attention_args(
     if seq_len < 1 or d_k < 1 or d_v < 1 or batch < 1 or heads < 1:
         raise ValueError(f"every axis must have length >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
     _same_dtype_and_device(kind, q, k=k, v=v)
-    lam = validate_decay(decay, heads)
     block = validate_block_size(block_size)
     backend = _resolve_backend(backend, kind, q, who)
+    # A GPU tensor of lambdas stays on the GPU (no host wait).
+    tensor_ok = backend in ("torch", "triton")
+    lam = validate_decay(decay, heads, keep_tensor=tensor_ok, allow_grad=tensor_ok and decay_grad and not need_do)
     if backend == "triton" and block is not None and (block < 16 or block & (block - 1)):
         raise ValueError(f"block_size for backend='triton' must be a power of two >= 16 (a tl.dot tile), got {block}")
     if backend == "triton":
@@ -375,8 +423,8 @@ def validate_step_args(
     if d_k < 1 or d_v < 1 or batch < 1 or heads < 1:
         raise ValueError(f"every axis must have length >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
     _same_dtype_and_device(kind, q, k=k, v=v)
-    lam = validate_decay(decay, heads)
     backend = _resolve_backend(backend, kind, q)
+    lam = validate_decay(decay, heads, keep_tensor=backend in ("torch", "triton"), allow_grad=backend == "torch")
     if backend == "triton":
         validate_head_dims(d_k, d_v, 256, "backend='triton'")
         validate_kernel_dtype("q (backend='triton')", q)

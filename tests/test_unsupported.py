@@ -66,7 +66,13 @@ ROWS = (
             ValueError, r"^block_size for backend='triton' must be a power of two >= 16")
     + _both("triton, block 8", "not a power of two >= 16", lambda: ((*t_qkv(),), {"backend": "triton", "block_size": 8}),
             ValueError, r"^block_size for backend='triton' must be a power of two >= 16")
-    + _both("decay requires grad", "requires grad", _requires_grad, TypeError, r"^decay requires grad")
+    + [("lightning_attention", "decay requires grad, numpy backend", "requires grad on the numpy backend",
+        lambda: le.lightning_attention(*np_qkv(), torch.full((2,), 0.5, requires_grad=True)), TypeError,
+        r"^decay requires grad, but this call computes no gradient"),
+       ("lightning_attention_backward", "decay requires grad", "returns no dL/dlambda",
+        lambda: le.lightning_attention_backward(*_requires_grad()[0][:3], _requires_grad()[0][2], _requires_grad()[0][3],
+                                                backend="torch"), TypeError,
+        r"^decay requires grad, but this call computes no gradient")]
     + _both("masked array", "masked arrays", _masked, TypeError, r"^q must be a plain numpy array, got a numpy masked array")
     + [("lightning_attention_backward", "do is None", "do=None",
         lambda: le.lightning_attention_backward(*np_qkv(), None), TypeError, r"^do \(the gradient dL/do.*\) is required")]
@@ -97,7 +103,7 @@ def test_every_documented_combination_is_tested_and_every_tested_one_documented(
         assert docs_word in " ".join(docs[entry].split()), f"{entry}: the docstring does not mention {docs_word!r} ({label})"
     # The forward's "Unsupported" paragraph names exactly these; each appears in some row above.
     documented = ['"numpy" with torch tensors', '"torch"/"triton" with numpy arrays', "with float64", "d_k or d_v > 256",
-                  "not a power of two >= 16", "interpreter is off", "requires grad", "masked arrays"]
+                  "not a power of two >= 16", "interpreter is off", "requires grad on the numpy backend", "masked arrays"]
     paragraph = " ".join(le.lightning_attention.__doc__.split("Unsupported")[1].split())
     for phrase in documented:
         assert phrase in paragraph
@@ -135,5 +141,5 @@ def test_la1_attention_refuses_a_decay_that_requires_grad():
     from lightning_edu.triton_kernels.la1 import la1_attention
 
     q, k, v = t_qkv()
-    with pytest.raises(TypeError, match=r"^decay requires grad, but no backend computes the gradient"):
+    with pytest.raises(TypeError, match=r"^decay requires grad, but this call computes no gradient"):
         la1_attention(q, k, v, torch.full((2,), 0.5, requires_grad=True))

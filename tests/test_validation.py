@@ -404,15 +404,26 @@ def test_chunked_backward_without_do():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_decay_that_requires_grad_is_refused(backend):
-    # Detaching it would leave decay.grad at None while dL/dlambda is not 0: refuse instead.
+def test_decay_that_requires_grad_is_learned_by_the_forward_and_refused_by_the_explicit_backward(backend):
+    # The forward's autograd returns dL/dlambda (tests/test_decay_grad.py checks its value); the explicit
+    # backward returns dq, dk, dv only, so it refuses rather than leave decay.grad at None silently.
     q, k, v = (torch.from_numpy(x).float() for x in qkv(d_k=16, d_v=16))
     decay = torch.full((HEADS,), 0.9, requires_grad=True)
-    with pytest.raises(TypeError, match=r"^decay requires grad, but no backend computes the gradient .*decay.detach\(\)"):
-        lightning_attention(q, k, v, decay, backend=backend)
+    lightning_attention(q, k, v, decay, backend=backend).sum().backward()
+    assert decay.grad is not None and decay.grad.shape == (HEADS,) and bool(torch.isfinite(decay.grad).all())
+    with pytest.raises(TypeError, match=r"^decay requires grad, but this call computes no gradient .*decay.detach\(\)"):
+        lightning_attention_backward(q, k, v, torch.ones_like(v), decay, backend=backend)
     with torch.no_grad():  # no graph is built, so nothing is dropped
-        lightning_attention(q, k, v, decay, backend=backend)
-    lightning_attention(q, k, v, decay.detach(), backend=backend)
+        lightning_attention_backward(q, k, v, torch.ones_like(v), decay, backend=backend)
+    lightning_attention_backward(q, k, v, torch.ones_like(v), decay.detach(), backend=backend)
+
+
+def test_decay_that_requires_grad_is_checked_like_any_other():
+    q, k, v = (torch.from_numpy(x).float() for x in qkv(d_k=16, d_v=16))
+    with pytest.raises(ValueError, match=r"^decay must lie in \(0, 1\] \(head 1\), got 1.5"):
+        lightning_attention(q, k, v, torch.tensor([0.5, 1.5, 0.9][:HEADS], requires_grad=True), backend="torch")
+    with pytest.raises(ValueError, match=r"^decay must have one value per head"):
+        lightning_attention(q, k, v, torch.full((HEADS + 1,), 0.5, requires_grad=True), backend="torch")
 
 
 # ---------------------------------------------------------------- initial_state, do, d_final_state

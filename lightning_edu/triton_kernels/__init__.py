@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from ..torch_chunked import decay_gradient
+from ..validation import device_decay
 from ._tiles import upcast_for_interpreter
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
@@ -86,12 +88,17 @@ _LOG2_DECAY: dict = {}  # (device, log2 values) -> the device tensor, built once
 
 
 def log2_decay_tensor(decay, device) -> torch.Tensor:
-    """log2(lambda) per head as float32 on ``device`` (0 exactly for lambda = 1), from a sequence of lambdas.
+    """log2(lambda) per head as float32 on ``device`` (0 exactly for lambda = 1).
 
-    Built once per (device, values) and then reused: copying a host list to a GPU makes the host wait for
-    the work already queued there, so a copy on every call would keep the host from running ahead of the
-    GPU. The cached tensor is read-only by contract (the kernels only load it).
+    From a sequence of lambdas on the host: built once per (device, values) and then reused, since copying a
+    host list to a GPU makes the host wait for the work already queued there, and a copy on every call would
+    keep the host from running ahead of the GPU. The cached tensor is read-only by contract (the kernels only
+    load it). From a torch tensor (as validated: on a GPU, or requiring grad): computed on its device, in
+    float64 and rounded once (a float32 lambda near 1 would lose its last digits in a float32 log), keeping
+    the autograd graph; a lambda outside (0, 1] gives NaN (:func:`lightning_edu.validation.device_decay`).
     """
+    if torch.is_tensor(decay):
+        return torch.log2(device_decay(decay, device, torch.float64)).to(torch.float32)
     values = tuple(math.log2(float(x)) for x in decay)
     key = (torch.device(device), values)
     cached = _LOG2_DECAY.get(key)
@@ -117,7 +124,8 @@ class TritonLightningAttention(torch.autograd.Function):
         q, k, v = (x.contiguous() for x in (q, k, v))
         qc, kc, vc = upcast_for_interpreter(q, k, v)
         cfg = kernel_config(q.shape[-1], v.shape[-1], qc.dtype, block_size)
-        o, sn, (seg_len, incoming) = la2_fast_forward(qc, kc, vc, log2_decay, initial_state, save_states=True, **cfg)
+        o, sn, (seg_len, incoming) = la2_fast_forward(qc, kc, vc, log2_decay.detach(), initial_state,
+                                                      save_states=True, **cfg)
         ctx.save_for_backward(q, k, v, log2_decay, initial_state, incoming)  # as given: upcast again if needed
         ctx.seg_len = seg_len
         ctx.has_state = initial_state is not None
@@ -131,12 +139,17 @@ class TritonLightningAttention(torch.autograd.Function):
         do = torch.zeros_like(v) if do is None else upcast_for_interpreter(do.contiguous())[0]
         backward = backward_kernel(q.shape[-1], v.shape[-1], q.dtype)
         dq, dk, dv, ds0 = backward(
-            q, k, v, do, log2_decay, initial_state if ctx.has_state else None, d_sn, saved=(ctx.seg_len, incoming),
-            **ctx.cfg,
+            q, k, v, do, log2_decay.detach(), initial_state if ctx.has_state else None, d_sn,
+            saved=(ctx.seg_len, incoming), **ctx.cfg,
         )
+        d_log2 = None
+        if ctx.needs_input_grad[3]:  # a learnable decay: the tangent pass in torch ops; d/d(log2 lambda) = ln 2 d/d(ln lambda)
+            lam = torch.exp2(log2_decay.detach().double())
+            init = initial_state if ctx.has_state else None
+            d_log2 = (decay_gradient(q, k, v, do, lam, init, d_sn) * math.log(2.0)).to(log2_decay.dtype)
         dq, dk, dv = (g.to(dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes))
         d_state = ds0.to(initial_state.dtype) if ctx.has_state and ctx.needs_input_grad[4] else None
-        return dq, dk, dv, None, d_state, None
+        return dq, dk, dv, d_log2, d_state, None
 
 
 def triton_attention(q, k, v, decay, initial_state=None, block_size=None):

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validation import validate_attention_args, validate_block_size, validate_decay, validate_head_dims
+from ..validation import device_decay, validate_attention_args, validate_block_size, validate_decay, validate_head_dims
 from ._tiles import (
     apply_decay, clear_flag, dropped, exact_pass_grid, finite_operand, flag_nonfinite, poison, refuse_interpreted_bf16,
     stored_nonfinite,
@@ -359,7 +359,7 @@ def _prepare(who, q, k, v, decay, block_size, do=None):
     validate_head_dims(args.d_k, args.d_v, 128, "la1")  # tested up to d = 128 (tests/gpu/test_gpu_la1.py)
     # fp32 tiles are twice as wide in bytes: 32 rows keep the pipelined K/V tiles inside shared memory at d = 128.
     block = args.block_size or ((32 if q.dtype == torch.float32 else 64) if q.is_cuda else 16)
-    decay_t = torch.as_tensor(args.decay, dtype=torch.float32, device=q.device)
+    decay_t = device_decay(args.decay, q.device, torch.float32)
     tensors = [x.contiguous() for x in (q, k, v) + ((do,) if do is not None else ())]
     meta = dict(
         D_K=args.d_k, D_V=args.d_v, BLOCK_DK=_head_block(args.d_k), BLOCK_DV=_head_block(args.d_v),
