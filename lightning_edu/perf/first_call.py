@@ -1,0 +1,69 @@
+"""What the first call costs: compile time of the triton backend per (dtype, head dim), on a GPU. (Chapter 07.)
+
+    python -m lightning_edu.perf.first_call OUT.json
+
+Each configuration runs in a fresh Python process with an empty Triton cache directory, so the figure is
+what a new user's first call costs: forward + backward on (1, 4, 1024, d) inputs, wall time from the call
+to its gradients, then the second call's wall time for comparison. One JSON record with the machine,
+versions and commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["CONFIGS", "main"]
+
+CONFIGS = [(dtype, d) for dtype in ("bfloat16", "float16", "float32") for d in (64, 128)]
+
+_CHILD = r"""
+import json, sys, time
+import torch
+import lightning_edu as le
+dtype, d = getattr(torch, sys.argv[1]), int(sys.argv[2])
+x = [torch.randn(1, 4, 1024, d, device="cuda").to(dtype).requires_grad_() for _ in range(3)]
+do = torch.randn(1, 4, 1024, d, device="cuda").to(dtype)
+times = []
+for _ in range(2):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    le.lightning_attention(*x, [0.99] * 4).backward(do)
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - start)
+print(json.dumps({"first_s": times[0], "second_s": times[1]}))
+"""
+
+
+def main(argv=None) -> int:
+    from .environment import environment_record
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__)
+        return 2
+    record = {**environment_record("python -m lightning_edu.perf.first_call " + " ".join(argv)), "results": []}
+    for dtype, d in CONFIGS:
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TRITON_CACHE_DIR": cache}
+            start = time.perf_counter()
+            run = subprocess.run([sys.executable, "-c", _CHILD, dtype, str(d)], env=env, capture_output=True,
+                                 text=True, timeout=600)
+            row = {"dtype": dtype, "d": d, "process_s": time.perf_counter() - start}
+            if run.returncode == 0:
+                row.update(json.loads(run.stdout.strip().splitlines()[-1]))
+            else:
+                row["error"] = run.stderr[-500:]
+        record["results"].append(row)
+        print(json.dumps(row), flush=True)
+        with open(argv[0], "w") as f:
+            json.dump(record, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
