@@ -198,8 +198,8 @@ def device_decay(decay, device, dtype):
     the outputs of that head turn NaN instead of silently wrong, and the host never waits for the GPU.
     """
     torch = _torch()
-    if isinstance(decay, np.ndarray):
-        return torch.as_tensor(decay, dtype=torch.float64).to(device=device, dtype=dtype)
+    if not torch.is_tensor(decay):  # a float64 array (or the floats of a caller that validated them itself)
+        return torch.as_tensor(np.asarray(decay, dtype=np.float64), dtype=torch.float64).to(device=device, dtype=dtype)
     lam = decay.to(device=device, dtype=dtype)
     if decay.device.type == "cpu":  # read and checked by validate_decay
         return lam
