@@ -1,7 +1,9 @@
 """lightning_edu: the companion package of *Lightning Attention, from the Math to the Kernel*.
 
 The interface: :func:`lightning_attention`, :func:`lightning_attention_backward` and
-:func:`lightning_attention_step`, one decoding step (:mod:`.api`), every argument check in one place
+:func:`lightning_attention_step`, one decoding step (:mod:`.api`), and beside them the normalised variants of
+chapter 10, :func:`normalized_attention` (with :func:`normalized_attention_step`) and the softmax/linear
+:func:`hybrid_attention`, whose feature maps live in :mod:`.feature_maps`; every argument check in one place
 (:mod:`.validation`), and every implementation registered once with what it supports and what it is checked
 against (:mod:`.registry`).
 
@@ -45,8 +47,9 @@ def _configure_triton_interpreter() -> None:
 _configure_triton_interpreter()
 
 from .api import lightning_attention, lightning_attention_backward, lightning_attention_step  # noqa: E402
+from .api import hybrid_attention, normalized_attention, normalized_attention_step  # noqa: E402
 from .validation import validate_attention_args  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["lightning_attention", "lightning_attention_backward", "lightning_attention_step", "validate_attention_args",
-           "__version__"]
+__all__ = ["lightning_attention", "lightning_attention_backward", "lightning_attention_step", "normalized_attention",
+           "normalized_attention_step", "hybrid_attention", "validate_attention_args", "__version__"]

@@ -698,3 +698,252 @@ def evidence(erratum: Erratum, n: int | None = None, d_k: int = 5, d_v: int = 3,
             out["nonfinite"] = bad
     return out
 
+
+
+# --------------------------------------------------------------------------------------------------
+# The explainer on feature maps and decoding: its chunked hybrid module, its decoding loop, a citation.
+# (Chapter 10.) Conventions as the explainer's: one head, q, k (n, d), v (n, d_v), no decay.
+# --------------------------------------------------------------------------------------------------
+
+def explainer_feature_weights(d_head: int, d_feature: int | None = None, seed: int = 0) -> np.ndarray:
+    """W of the explainer's learned map as it initialises it: N(0, 1) entries times 0.1, shape (d_head, d')."""
+    from .validation import validate_positive_int
+
+    d_head = validate_positive_int("d_head", d_head)
+    d_feature = d_head if d_feature is None else validate_positive_int("d_feature", d_feature)
+    return 0.1 * np.random.default_rng(seed).standard_normal((d_head, d_feature))
+
+
+def explainer_feature_map(W):
+    """The explainer's learned map, literally: phi(x) = ReLU(x W)^2 + 1e-6 (a floor on every feature), numpy."""
+    W = np.array(W, dtype=np.float64)
+
+    def phi(x):
+        return np.maximum(np.asarray(x, dtype=np.float64) @ W, 0.0) ** 2 + 1e-6
+
+    return phi
+
+
+def _explainer_map(feature_map, d):
+    from .feature_maps import resolve_feature_map
+
+    if feature_map is None:
+        return explainer_feature_map(explainer_feature_weights(d))
+    return resolve_feature_map(feature_map, "numpy")
+
+
+def explainer_hybrid_separate(q, k, v, chunk_size: int = 256, feature_map=None) -> np.ndarray:
+    """The explainer's chunked hybrid module, its forward transcribed: two parts, each normalised on its own.
+
+    Zero-pad n to a multiple of C = ``chunk_size``; per chunk, the intra part is the causal softmax of
+    Q_c K_c^T / sqrt(d) times V_c; the inter part reads the state of the earlier chunks,
+    phi(Q_c) S / clamp(phi(Q_c) z, min=1e-6); then S += phi(K_c)^T V_c, z += sum phi(K_c). The output is
+    intra + inter, cut back to n rows. Each part's weights sum to 1, so from the second chunk on every row's
+    weights sum to 2 (:func:`explainer_hybrid_evidence`); the joint form is
+    :func:`lightning_edu.hybrid_attention`. ``feature_map``: None for the explainer's own map
+    (:func:`explainer_feature_map` with :func:`explainer_feature_weights`), or a name or numpy callable.
+    One head: q, k (n, d), v (n, d_v). Returns (n, d_v) in float64.
+    """
+    from .validation import validate_single_head
+
+    q, k, v = validate_single_head(q, k, v)
+    C = validate_block_size(chunk_size, "chunk_size")
+    phi = _explainer_map(feature_map, q.shape[1])
+    n, D = q.shape[0], q.shape[1]
+    pad = (C - n % C) % C
+    Q, K, V = (np.concatenate([x, np.zeros((pad, x.shape[1]))]) for x in (q, k, v))
+    num_chunks = Q.shape[0] // C
+    Qc, Kc, Vc = (x.reshape(num_chunks, C, x.shape[1]) for x in (Q, K, V))
+    scores = Qc @ Kc.swapaxes(-1, -2) * (1.0 / D**0.5)
+    scores = np.where(np.triu(np.ones((C, C), dtype=bool), 1), -np.inf, scores)  # causal mask within the chunk
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    intra = (weights / weights.sum(axis=-1, keepdims=True)) @ Vc
+    phi_K, phi_Q = phi(Kc), phi(Qc)
+    S = np.zeros((phi_K.shape[-1], V.shape[1]))
+    z = np.zeros(phi_K.shape[-1])
+    inter = []
+    for c in range(num_chunks):
+        inter_norm = np.maximum(phi_Q[c] @ z, 1e-6)  # inter_norm.clamp(min=1e-6)
+        inter.append((phi_Q[c] @ S) / inter_norm[:, None])
+        S = S + phi_K[c].T @ Vc[c]
+        z = z + phi_K[c].sum(axis=0)
+    return (intra + np.stack(inter)).reshape(-1, V.shape[1])[:n]
+
+
+def explainer_hybrid_evidence(n: int = 75, d: int = 8, chunk_size: int = 16, seed: int = 0, feature_map=None) -> dict:
+    """The separate normalisers measured: row sums of the explainer's module, and its distance to the joint form.
+
+    The weights are read off the module itself: run on v = I_n, its output is the (n, n) matrix W with
+    o = W v. Returns first_chunk_row_sums and later_row_sums ((min, max) over those rows; 1 and 2 are the
+    separate normalisers' values), weights_match (max |W - attention_weights(..., "hybrid_separate")|, the
+    package's twin), joint_row_sums ((min, max) for attention_weights(..., "hybrid")), and rel_error_vs_joint:
+    the relative error of the module's output against :func:`lightning_edu.hybrid_attention` (numpy,
+    lambda = 1, same map and chunk) on random v.
+    """
+    from .api import hybrid_attention
+    from .checks import relative_error
+    from .feature_maps import attention_weights
+
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.standard_normal((3, n, d))
+    phi = _explainer_map(feature_map, d)
+    W = explainer_hybrid_separate(q, k, np.eye(n), chunk_size, phi)
+    sums = W.sum(axis=1)
+    first = sums[: min(chunk_size, n)]
+    later = sums[chunk_size:]
+    twin = attention_weights(q, k, "hybrid_separate", feature_map=phi, block_size=chunk_size)
+    joint = attention_weights(q, k, "hybrid", feature_map=phi, block_size=chunk_size).sum(axis=1)
+    literal = explainer_hybrid_separate(q, k, v, chunk_size, phi)
+    reference = hybrid_attention(q[None, None], k[None, None], v[None, None], block_size=chunk_size,
+                                 feature_map=phi, backend="numpy")[0, 0]
+    return {
+        "first_chunk_row_sums": (float(first.min()), float(first.max())),
+        "later_row_sums": (float(later.min()), float(later.max())) if later.size else None,
+        "weights_match": float(np.abs(W - twin).max()),
+        "joint_row_sums": (float(joint.min()), float(joint.max())),
+        "rel_error_vs_joint": relative_error(literal, reference),
+    }
+
+
+def explainer_decode(q, k, v, feature_map=None, order: str = "printed") -> np.ndarray:
+    """The explainer's decoding loop, one token at a time from S = 0, z = 0. One head: q, k (n, d), v (n, d_v).
+
+    ``order="printed"``: the query reads the state, then the token updates it:
+    o = phi(q) S / (phi(q) . z + 1e-6); S += phi(k)^T v; z += phi(k). So token t never sees itself and the
+    first output is 0. ``order="corrected"``: update first, then read, the order of the explainer's own
+    formula O_i (whose sums include j = i), of its chunked module (whose causal mask keeps the diagonal) and
+    of :func:`lightning_edu.normalized_attention_step`.
+    """
+    from .validation import validate_single_head
+
+    order = validate_choice("order", order, ("printed", "corrected"))
+    q, k, v = validate_single_head(q, k, v)
+    phi = _explainer_map(feature_map, q.shape[1])
+    S = np.zeros((phi(k[:1]).shape[-1], v.shape[1]))
+    z = np.zeros(S.shape[0])
+    out = np.empty_like(v)
+    for t in range(q.shape[0]):
+        phi_k_new, phi_q_new = phi(k[t]), phi(q[t])
+        if order == "corrected":
+            S = S + np.outer(phi_k_new, v[t])
+            z = z + phi_k_new
+        out[t] = (phi_q_new @ S) / (phi_q_new @ z + 1e-6)
+        if order == "printed":
+            S = S + np.outer(phi_k_new, v[t])
+            z = z + phi_k_new
+    return out
+
+
+def explainer_decode_evidence(n: int = 32, d: int = 8, seed: int = 0, feature_map=None) -> dict:
+    """The decoding loop against the prefill it should continue: :func:`lightning_edu.normalized_attention`
+    (numpy, eps = 1e-6, the same map) over the same tokens. Returns the relative errors of the printed and
+    the corrected order, and first_output_printed / first_output_true: the norms of o_1 (0 printed; v_1 true).
+    """
+    from .api import normalized_attention
+    from .checks import relative_error
+
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.standard_normal((3, n, d))
+    phi = _explainer_map(feature_map, d)
+    prefill = normalized_attention(q[None, None], k[None, None], v[None, None], feature_map=phi, eps=1e-6)[0, 0]
+    printed = explainer_decode(q, k, v, phi, "printed")
+    return {
+        "printed": relative_error(printed, prefill),
+        "corrected": relative_error(explainer_decode(q, k, v, phi, "corrected"), prefill),
+        "first_output_printed": float(np.linalg.norm(printed[0])),
+        "first_output_true": float(np.linalg.norm(prefill[0])),
+    }
+
+
+@dataclass(frozen=True)
+class Citation:
+    """A reference as printed beside the reference it should be, and a check of what it is cited for."""
+
+    key: str
+    where: str
+    printed: str
+    correct: str
+    note: str
+    check: Callable
+
+
+def check_elu_plus_one() -> dict:
+    """That :func:`lightning_edu.numpy_reference.elu_plus_one` is the map of Katharopoulos et al. (2020),
+    phi(x) = elu(x) + 1 (x + 1 for x > 0, e^x otherwise), and positive.
+
+    Returns max_abs_diff_vs_torch (against torch.nn.functional.elu(x) + 1 in float64 on a grid over [-30, 30]
+    and a few special points), max_abs_diff_vs_formula, min_on_grid (> 0), and underflow: the values at
+    x = -745 and -746, where float64's e^x stops being positive (so "phi > 0" holds in floating point only
+    for x > -745.2).
+    """
+    import torch
+
+    from .numpy_reference import elu_plus_one
+
+    x = np.concatenate([np.linspace(-30.0, 30.0, 6001), [-1e-300, 0.0, 1e-300, -700.0]])
+    mine = elu_plus_one(x)
+    ref = (torch.nn.functional.elu(torch.from_numpy(x)) + 1.0).numpy()
+    formula = np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+    return {
+        "max_abs_diff_vs_torch": float(np.abs(mine - ref).max()),
+        "max_abs_diff_vs_formula": float(np.abs(mine - formula).max()),
+        "min_on_grid": float(mine.min()),
+        "underflow": (float(elu_plus_one(np.array(-745.0))), float(elu_plus_one(np.array(-746.0)))),
+    }
+
+
+#: The explainer's citation of the elu + 1 map.
+KATFORMER = Citation(
+    "katformer", "the explainer on feature maps and decoding, \"Inference: No KV Cache\", section \"Feature Map Choice\"",
+    "Katformer, 2020",
+    "A. Katharopoulos, A. Vyas, N. Pappas, F. Fleuret, \"Transformers are RNNs: Fast Autoregressive Transformers "
+    "with Linear Attention\", ICML 2020, arXiv:2006.16236",
+    "No model or paper is called Katformer; the elu(x) + 1 map, the normaliser phi(q) . z and the recurrent view "
+    "with S and z are Katharopoulos et al.'s. lightning_edu.numpy_reference.elu_plus_one is that map "
+    "(check_elu_plus_one).",
+    check_elu_plus_one,
+)
+
+
+@dataclass(frozen=True)
+class ExplainerErratum:
+    """A slip of the explainer on feature maps and decoding: where, what is printed, what is right, and a
+    function (no arguments) returning the measured evidence as a dict."""
+
+    key: str
+    where: str
+    printed: str
+    corrected_text: str
+    evidence: Callable
+    note: str = ""
+
+
+EXPLAINER_ERRATA: list[ExplainerErratum] = [
+    ExplainerErratum(
+        "hybrid_separate_normalisers", "explainer, ChunkedLightningAttention.forward",
+        r"o_t = \mathrm{softmax}_{\text{chunk}}(\cdot)\,V + \frac{\phi(q_t) S}{\max(\phi(q_t)\cdot z,\ 10^{-6})}",
+        r"o_t = \frac{\sum_{s\in\text{chunk},\,s\le t} e^{s_{ts}} v_s + \phi(q_t) S}"
+        r"{\sum_{s\in\text{chunk},\,s\le t} e^{s_{ts}} + \phi(q_t)\cdot z}",
+        explainer_hybrid_evidence,
+        "Two normalised averages added: rows past the first chunk weigh the values twice (row sums exactly 2), so "
+        "the output's scale doubles at the first chunk boundary. One joint normaliser: lightning_edu.hybrid_attention.",
+    ),
+    ExplainerErratum(
+        "decode_query_before_update", "explainer, \"Inference: No KV Cache\" decoding snippet",
+        r"o_t = \frac{\phi(q_t) S_{t-1}}{\phi(q_t)\cdot z_{t-1} + 10^{-6}};\ S_t = S_{t-1} + \phi(k_t)^\top v_t",
+        r"S_t = S_{t-1} + \phi(k_t)^\top v_t;\ o_t = \frac{\phi(q_t) S_t}{\phi(q_t)\cdot z_t + 10^{-6}}",
+        explainer_decode_evidence,
+        "Querying before the update leaves the token out of its own output (the first output is 0), unlike the "
+        "explainer's formula and its chunked module: decoding does not continue the prefill.",
+    ),
+    ExplainerErratum(
+        "katformer_citation", "explainer, \"Feature Map Choice\"", KATFORMER.printed, KATFORMER.correct,
+        check_elu_plus_one, KATFORMER.note,
+    ),
+]
+
+__all__ += [
+    "explainer_feature_weights", "explainer_feature_map", "explainer_hybrid_separate", "explainer_hybrid_evidence",
+    "explainer_decode", "explainer_decode_evidence", "Citation", "check_elu_plus_one", "KATFORMER",
+    "ExplainerErratum", "EXPLAINER_ERRATA",
+]

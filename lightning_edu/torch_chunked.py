@@ -29,7 +29,6 @@ float32 for every matmul and for the states; o comes back in the input dtype, th
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .validation import device_decay, validate_attention_args, validate_choice
@@ -128,7 +127,6 @@ def decay_gradient(q, k, v, do, decay, initial_state=None, d_final_state=None, b
     )
     dob = to_blocks(do.to(dtype), block)
     n_blocks = qb.shape[2]
-    lam = decay_tensor(decay, q.device)  # float64 (heads,)
     starts = torch.arange(n_blocks, device=q.device) * block
     ends = torch.clamp(starts + block, max=n)
     rows = starts[:, None] + torch.arange(block, device=q.device)[None, :]

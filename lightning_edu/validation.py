@@ -482,3 +482,179 @@ def validate_head_dims(d_k: int, d_v: int, max_dim: int, who: str) -> None:
     """A kernel that keeps a whole d_k x d_v state on chip refuses head dims it cannot hold."""
     if max(d_k, d_v) > max_dim:
         raise ValueError(f"{who} supports d_k, d_v <= {max_dim} (its state lives on chip), got d_k={d_k}, d_v={d_v}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Feature maps, the normaliser and the softmax/linear hybrid (chapter 10's feature-map section):
+# lightning_edu.api.normalized_attention, hybrid_attention and lightning_edu.feature_maps.
+# --------------------------------------------------------------------------------------------------
+
+#: The feature maps known by name: phi(x) = x, elu(x) + 1 (Katharopoulos et al., 2020), ReLU(x)^2.
+FEATURE_MAP_NAMES = ("identity", "elu+1", "relu2")
+
+#: The forms of attention whose explicit weight matrix lightning_edu.feature_maps.attention_weights builds.
+WEIGHT_METHODS = ("softmax", "linear", "normalized", "hybrid", "hybrid_separate")
+
+__all__ += ["FEATURE_MAP_NAMES", "WEIGHT_METHODS", "validate_feature_map", "validate_eps", "validate_feature_output",
+            "validate_augmented_state", "validate_hybrid_args", "validate_single_head"]
+
+
+def _is_torch_module(x: Any) -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return isinstance(x, torch.nn.Module)
+
+
+def validate_feature_map(feature_map: Any, kind: str, name: str = "feature_map"):
+    """A feature map name from :data:`FEATURE_MAP_NAMES`, or a callable that maps (..., d) to (..., d').
+
+    A torch module (such as :class:`lightning_edu.feature_maps.LearnedReLU2`) only takes torch tensors: given
+    numpy arrays (``kind == "numpy"``) it is refused with a TypeError that points at its numpy twin. Returns
+    the name or the callable unchanged.
+    """
+    if isinstance(feature_map, str):
+        if feature_map not in FEATURE_MAP_NAMES:
+            raise ValueError(f"{name} must be one of {FEATURE_MAP_NAMES} or a callable, got {feature_map!r}")
+        return feature_map
+    if not callable(feature_map):
+        raise TypeError(f"{name} must be one of {FEATURE_MAP_NAMES} or a callable (..., d) -> (..., d'), got "
+                        f"{type(feature_map).__name__} {feature_map!r}")
+    if kind == "numpy" and _is_torch_module(feature_map):
+        twin = " (LearnedReLU2 has one: .numpy())" if hasattr(feature_map, "numpy") else ""
+        raise TypeError(f"{name} is a torch.nn.Module ({type(feature_map).__name__}) but q is a numpy array: pass "
+                        f"torch tensors, or a numpy function{twin}")
+    return feature_map
+
+
+def validate_eps(eps: Any, name: str = "eps") -> float:
+    """The constant added to a normaliser: a finite real number >= 0 (0 allowed: no guard at all)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{name} must be a finite real number >= 0, got {type(eps).__name__} {eps!r}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"{name} must be a finite real number >= 0, got {float(eps)!r}")
+    return float(eps)
+
+
+def validate_feature_output(name: str, out: Any, x: Any, kind: str, d_feature: int | None = None) -> int:
+    """What a feature map returned for ``x`` (..., d): an array of the same kind with shape (..., d').
+
+    Torch: same dtype and device as ``x`` (a float32 map applied to float64 inputs would otherwise fail later,
+    far from the cause). ``d_feature``, when given, is the d' that phi(q) had: phi(k) must match it.
+    Returns d'.
+    """
+    got = _kind(out)
+    if got != kind:
+        raise TypeError(f"{name} must return a {'numpy.ndarray' if kind == 'numpy' else 'torch.Tensor'} like its "
+                        f"input, got {_describe(out)}")
+    if not _is_float(out):
+        raise TypeError(f"{name} must return floating-point numbers, got dtype {out.dtype}")
+    if out.ndim != x.ndim or tuple(out.shape[:-1]) != tuple(x.shape[:-1]) or out.shape[-1] < 1:
+        raise ValueError(f"{name} must map shape (..., d) to (..., d') keeping the leading axes: given "
+                         f"{tuple(x.shape)}, it returned {tuple(out.shape)}")
+    if kind == "torch":
+        if out.dtype != x.dtype:
+            raise TypeError(f"{name} must keep the dtype of its input ({x.dtype}), got {out.dtype}")
+        if out.device != x.device:
+            raise ValueError(f"{name} must keep the device of its input ({x.device}), got {out.device}")
+    d_out = int(out.shape[-1])
+    if d_feature is not None and d_out != d_feature:
+        raise ValueError(f"{name} must have the same feature dimension d' as the map of q: expected {d_feature}, "
+                         f"got {d_out}")
+    return d_out
+
+
+def validate_augmented_state(name: str, state: Any, shape: tuple, kind: str, q: Any) -> None:
+    """The state of normalized attention: S with z as its last column, (batch, heads, d', d_v + 1)."""
+    if state is None:
+        return
+    _check_tensor(name, state, kind)
+    if tuple(state.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape (batch, heads, d_feature, d_v + 1) = {tuple(shape)} (S with the "
+                         f"normaliser z as its last column), got {tuple(state.shape)}")
+    if kind == "torch" and state.device != q.device:
+        raise ValueError(f"{name} must be on the same device as q ({q.device}), got {state.device}")
+
+
+def validate_hybrid_args(q: Any, k: Any, v: Any, decay: Any, block_size: Any, scale: Any, backend: Any) -> tuple:
+    """Check the arguments of :func:`lightning_edu.api.hybrid_attention`: (args, block_size, scale).
+
+    Backends: "numpy" and "torch" ("auto": numpy for numpy arrays, torch for any tensor, CUDA included).
+    "triton" is refused: the in-block part is a softmax, which no Lightning Attention kernel computes.
+    ``block_size`` is required (a positive integer, any value: it need not divide n); ``scale`` None means
+    d_k^-0.5, else a finite real number.
+    """
+    if isinstance(backend, str) and backend == "triton":
+        raise ValueError("backend='triton' is not supported by hybrid_attention: its in-block part is a causal softmax, "
+                         "which no Lightning Attention kernel computes; use backend='torch' (CUDA tensors included) "
+                         "or 'numpy'")
+    if backend == "auto" and _kind(q) == "torch":
+        backend = "torch"
+    args = validate_attention_args(q, k, v, decay, backend=backend, decay_grad=True)
+    if block_size is None:
+        raise TypeError("block_size must be a positive integer (the length of the softmax blocks), got None")
+    block = validate_block_size(block_size)
+    scale = args.d_k ** -0.5 if scale is None else check_finite_scalar("scale", scale)
+    return args, block, scale
+
+
+def validate_single_head(q: Any, k: Any, v: Any = None) -> tuple:
+    """One head as 2-D float arrays: q, k (n, d_k), v (n, d_v) or None. Returned as float64 numpy arrays."""
+    arrays = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
+    out = []
+    for name, x in arrays:
+        kind = _check_tensor(name, x, None)
+        if kind == "torch":
+            x = x.detach().cpu().double().numpy()
+        if x.ndim != 2:
+            want = "(n, d_v)" if name == "v" else "(n, d_k)"
+            raise ValueError(f"{name} must be 2-D {want}, one head, got {x.ndim}-D shape {tuple(x.shape)}")
+        out.append(np.asarray(x, dtype=np.float64))
+    n, d_k = out[0].shape
+    if out[1].shape != (n, d_k):
+        raise ValueError(f"k must have the shape of q {(n, d_k)}, got {out[1].shape}")
+    if v is not None and out[2].shape[0] != n:
+        raise ValueError(f"v must have n = {n} rows like q, got shape {out[2].shape}")
+    if n < 1 or d_k < 1:
+        raise ValueError(f"every axis must have length >= 1, got q {out[0].shape}")
+    return tuple(out) if v is not None else (out[0], out[1])
+
+
+def validate_feature_input(name: str, x: Any, d: int, W: Any = None) -> None:
+    """The input of a learned feature map: last axis d; with torch weights ``W``, W's dtype and device."""
+    if _kind(x) is None:
+        raise TypeError(f"{name} must be a numpy.ndarray or torch.Tensor, got {_describe(x)}")
+    if x.ndim < 1 or x.shape[-1] != d:
+        raise ValueError(f"{name} must have d = {d} as its last axis, got shape {tuple(x.shape)}")
+    if W is not None:
+        if x.dtype != W.dtype:
+            raise TypeError(f"{name} must have the dtype of the map's weights ({W.dtype}), got {x.dtype}: convert "
+                            f"the module with .to({x.dtype})")
+        if x.device != W.device:
+            raise ValueError(f"{name} must be on the device of the map's weights ({W.device}), got {x.device}")
+
+
+def validate_normalized_args(q: Any, k: Any, v: Any, decay: Any, feature_map: Any, eps: Any, backend: Any,
+                             return_state: Any, *, step: bool = False, state: Any = None) -> tuple:
+    """Check the arguments of :func:`lightning_edu.api.normalized_attention` (or, with ``step``, of
+    :func:`lightning_edu.api.normalized_attention_step`) before the feature map runs.
+
+    Returns (args, feature_map, eps, return_state). The feature dimension d' is known only once the map has
+    run: its output is checked by :func:`validate_feature_output`, the state by :func:`validate_augmented_state`.
+    The ones column makes v one wider, so backend "triton" needs d_v + 1 <= 256.
+    """
+    if step:
+        args = validate_step_args(q, k, v, None, decay, backend, who="normalized_attention_step")
+    else:
+        args = validate_attention_args(q, k, v, decay, backend=backend, decay_grad=True)
+    feature_map = validate_feature_map(feature_map, args.kind)
+    eps = validate_eps(eps)
+    return_state = validate_flag("return_state", return_state)
+    if args.backend == "triton" and args.d_v + 1 > 256:
+        raise ValueError(f"backend='triton' supports d_v + 1 <= 256 here (a column of ones is appended to v for the "
+                         f"normaliser), got d_v={args.d_v}")
+    return args, feature_map, eps, return_state
+
+
+__all__ += ["validate_feature_input", "validate_normalized_args"]

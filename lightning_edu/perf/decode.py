@@ -188,7 +188,7 @@ def main(argv=None) -> int:
                         return F.scaled_dot_product_attention(q[:, :, None], cache_k, cache_v)
 
                 timed(name, batch, n, step, cache_bytes=cache)
-            del cache_k, cache_v
+            cache_k = cache_v = None  # free this cache before the next, larger one
             torch.cuda.empty_cache()
     print(f"{time.time() - start:5.0f}s done", flush=True)
     return 0
