@@ -11,7 +11,7 @@ torch     ``torch.chunked`` (hand-written backward)   ``torch.step``      06
 triton    ``triton.la2_fast`` (Triton kernels)        ``triton.decode``   07-08
 ========  ==========================================  ==================  ==========
 
-Chapter 10 adds the normalised variants of the explainer on feature maps and decoding, "Inference: No KV
+Chapter 11 adds the normalised variants of the explainer on feature maps and decoding, "Inference: No KV
 Cache": :func:`normalized_attention` and :func:`normalized_attention_step`, which run the functions above on
 phi(q), phi(k) and [v | 1] (every backend), and :func:`hybrid_attention`, softmax inside blocks and linear
 attention between them (numpy and torch, in :mod:`lightning_edu.feature_maps`).
@@ -165,7 +165,7 @@ def normalized_attention(
     return_state: bool = False,
 ):
     """Normalized linear attention with a feature map: the form of the explainer on feature maps and decoding,
-    "Inference: No KV Cache". (Chapter 10.)
+    "Inference: No KV Cache". (Chapter 11.)
 
     Per batch and head, with phi the feature map applied to q and k::
 
@@ -219,7 +219,7 @@ def normalized_attention(
 def normalized_attention_step(q, k, v, state=None, decay=1.0, *, feature_map="elu+1", eps: float = 1e-6,
                               backend: str = "auto"):
     """One decoding step of :func:`normalized_attention`: the token's key and value enter the state first,
-    then its query reads it. (Chapter 10.)
+    then its query reads it. (Chapter 11.)
 
     q, k: (batch, heads, d_k); v: (batch, heads, d_v); state: [S | z] of shape (batch, heads, d', d_v + 1)
     as :func:`normalized_attention` returns it, None meaning zeros. Returns (o, new_state) with
@@ -240,7 +240,7 @@ def normalized_attention_step(q, k, v, state=None, decay=1.0, *, feature_map="el
 def hybrid_attention(q, k, v, decay=1.0, *, block_size: int, feature_map="elu+1", scale: float | None = None,
                      backend: str = "auto"):
     r"""Causal softmax inside each block, linear attention to the earlier blocks, one joint normaliser.
-    (Chapter 10.)
+    (Chapter 11.)
 
     Row t of block [c, c + B) gives every key an unnormalised weight and divides by their one sum:
 

@@ -702,7 +702,7 @@ def evidence(erratum: Erratum, n: int | None = None, d_k: int = 5, d_v: int = 3,
 
 # --------------------------------------------------------------------------------------------------
 # The explainer on feature maps and decoding: its chunked hybrid module, its decoding loop, a citation.
-# (Chapter 10.) Conventions as the explainer's: one head, q, k (n, d), v (n, d_v), no decay.
+# (Chapter 11.) Conventions as the explainer's: one head, q, k (n, d), v (n, d_v), no decay.
 # --------------------------------------------------------------------------------------------------
 
 def explainer_feature_weights(d_head: int, d_feature: int | None = None, seed: int = 0) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Feature maps phi, the normaliser z, and the softmax/linear hybrid. (Chapter 10.)
+"""Feature maps phi, the normaliser z, and the softmax/linear hybrid. (Chapter 11.)
 
 Softmax attention weighs key s for query t by exp(q_t . k_s / sqrt(d)) and divides by the row's sum.
 Linear attention replaces the exponential by a product of features, phi(q_t) . phi(k_s), so that the sums
@@ -204,7 +204,7 @@ def joint_normalise(m, U, A, N, L, xp=np):
 
 
 def hybrid_numpy(args, phi_q, phi_k, block_size: int, scale: float):
-    """The hybrid in float64 numpy, block by block: the reference. (Chapter 10.)
+    """The hybrid in float64 numpy, block by block: the reference. (Chapter 11.)
 
     ``args``: checked :class:`~lightning_edu.validation.AttentionArgs`; phi_q, phi_k (batch, heads, n, d').
     Per block: in-block scores s_ts = scale q_t . k_s + (t - s) log lambda (s <= t), the inter part from the
@@ -239,7 +239,7 @@ def hybrid_numpy(args, phi_q, phi_k, block_size: int, scale: float):
 
 
 def hybrid_torch(args, phi_q, phi_k, block_size: int, scale: float):
-    """The hybrid in torch, all blocks at once, differentiable by autograd (decay too). (Chapter 10.)
+    """The hybrid in torch, all blocks at once, differentiable by autograd (decay too). (Chapter 11.)
 
     Same formula as :func:`hybrid_numpy`. n is zero-padded to a multiple of the block size (padded keys sit
     after every real query, so the causal mask and the state order keep them out); the states entering each
@@ -340,7 +340,7 @@ def _row_softmax(scores):
 
 def approximation_table(scales=(0.5, 1, 2, 4), d: int = 16, n: int = 128, seed: int = 0,
                         maps=("elu+1", "relu2", "identity")) -> list[dict]:
-    """How close phi-attention's weights come to causal softmax's, per map and input scale. (Chapter 10.)
+    """How close phi-attention's weights come to causal softmax's, per map and input scale. (Chapter 11.)
 
     For each scale sigma: q, k of shape (n, d) with entries N(0, sigma^2), drawn once from ``seed`` (the same
     draw, rescaled, for every sigma), so the softmax logits q . k / sqrt(d) have standard deviation sigma^2:
