@@ -29,6 +29,7 @@ Adding a rung or a variant (a recompute-heavy backward, a decoding kernel) is on
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -49,7 +50,8 @@ def _resolve(path: str | None) -> Callable | None:
     if path is None:
         return None
     module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
+    loaded = sys.modules.get(module)  # already imported: no importlib call (torch.compile cannot trace one)
+    return getattr(loaded if loaded is not None else importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +36,8 @@ def _kind(x: Any) -> str | None:
     """'numpy' for numpy arrays, 'torch' for torch tensors, None otherwise."""
     if isinstance(x, np.ndarray):
         return "numpy"
-    if type(x).__module__.startswith("torch") and type(x).__name__ in ("Tensor", "Parameter"):
+    torch = sys.modules.get("torch")  # not imported here: numpy-only callers never load torch
+    if torch is not None and isinstance(x, torch.Tensor):
         return "torch"
     return None
 
@@ -143,6 +145,20 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay", *,
         raise TypeError(f"{name} must be a float in (0, 1] or one value per head, got {type(decay).__name__} {decay!r}")
     if isinstance(decay, np.ma.MaskedArray):
         raise TypeError(f"{name} must be a plain array, got a numpy masked array (its mask would be ignored); use .filled()")
+    if isinstance(decay, (numbers.Real, list, tuple)) and not isinstance(decay, np.ndarray):
+        # Python numbers: checked as Python floats, so that torch.compile sees constants (no numpy, no branch on data)
+        items = [decay] if isinstance(decay, numbers.Real) else list(decay)
+        if all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in items):
+            py = [float(x) for x in items]
+            if isinstance(decay, numbers.Real):
+                py = py * (heads if heads is not None else 1)
+            elif heads is not None and len(py) != heads:
+                raise ValueError(f"{name} must have one value per head: expected length {heads}, got length {len(py)}")
+            for i, x in enumerate(py):
+                if not (0 < x <= 1):
+                    where = "" if isinstance(decay, numbers.Real) or len(py) == 1 else f" (head {i})"
+                    raise ValueError(f"{name} must lie in (0, 1]{where}, got {x!r}")
+            return np.array(py, dtype=np.float64)
     tensor = None
     if _kind(decay) == "torch":
         if not decay.is_floating_point():
@@ -156,7 +172,7 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay", *,
             )
         if keep_tensor and (decay.device.type != "cpu" or wants_grad):
             tensor = decay
-        if tensor is not None and decay.device.type != "cpu":
+        if tensor is not None and (decay.device.type != "cpu" or _torch().compiler.is_compiling()):
             if decay.ndim > 1:
                 raise ValueError(f"{name} must be a scalar or 1-D with one value per head, got shape {tuple(decay.shape)}")
             if decay.ndim == 1 and heads is not None and decay.shape[0] != heads:
@@ -201,7 +217,7 @@ def device_decay(decay, device, dtype):
     if not torch.is_tensor(decay):  # a float64 array (or the floats of a caller that validated them itself)
         return torch.as_tensor(np.asarray(decay, dtype=np.float64), dtype=torch.float64).to(device=device, dtype=dtype)
     lam = decay.to(device=device, dtype=dtype)
-    if decay.device.type == "cpu":  # read and checked by validate_decay
+    if decay.device.type == "cpu" and not torch.compiler.is_compiling():  # read and checked by validate_decay
         return lam
     return torch.where((lam > 0) & (lam <= 1), lam, torch.nan)
 

@@ -11,6 +11,10 @@ la2_fast      segments + 16-bit dots + backward as reversed forwards (the backen
 la3           la2_fast's forward; dK, dV from micro-chunk tiles in one reverse sweep  ``la3``
 ============  ======================================================================  ==========
 
+The backend (la2_fast's forward, la3's or la2_fast's backward by :func:`backward_kernel`) runs through two
+``torch.library`` custom ops, ``lightning_edu::la2_forward`` and ``lightning_edu::la2_backward`` (:mod:`.ops`),
+so that :func:`torch.compile` captures a model calling it without a graph break.
+
 On a machine without CUDA, importing :mod:`lightning_edu` sets ``TRITON_INTERPRET=1`` first, so these
 kernels run in Triton's CPU interpreter. Its bf16 arithmetic is wrong (values ~1e10 where ~1e2 is right), so
 there the low-level launchers refuse bfloat16 tensors with a TypeError, while the *backend*
@@ -30,14 +34,12 @@ import math
 
 import torch
 
-from ..torch_chunked import decay_gradient
 from ..validation import device_decay
-from ._tiles import upcast_for_interpreter
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
 from .la3 import la3_backward
 
-__all__ = ["VARIANTS", "TritonLightningAttention", "triton_attention", "kernel_config", "backward_kernel",
+__all__ = ["VARIANTS", "triton_attention", "la2_forward", "la2_backward", "kernel_config", "backward_kernel",
            "log2_decay_tensor"]
 
 
@@ -96,7 +98,13 @@ def log2_decay_tensor(decay, device) -> torch.Tensor:
     load it). From a torch tensor (as validated: on a GPU, or requiring grad): computed on its device, in
     float64 and rounded once (a float32 lambda near 1 would lose its last digits in a float32 log), keeping
     the autograd graph; a lambda outside (0, 1] gives NaN (:func:`lightning_edu.validation.device_decay`).
+
+    Under :func:`torch.compile` the host lambdas are values of the traced graph (dynamo turns numpy arrays into
+    tensors), not Python floats: there they are converted with torch ops, uncached, which the compiler keeps
+    in the graph instead of a cache lookup it cannot trace.
     """
+    if torch.compiler.is_compiling() and not isinstance(decay, torch.Tensor):
+        return torch.log2(torch.as_tensor(decay, dtype=torch.float64)).to(device=device, dtype=torch.float32)
     if torch.is_tensor(decay):
         return torch.log2(device_decay(decay, device, torch.float64)).to(torch.float32)
     values = tuple(math.log2(float(x)) for x in decay)
@@ -109,52 +117,15 @@ def log2_decay_tensor(decay, device) -> torch.Tensor:
     return cached
 
 
-class TritonLightningAttention(torch.autograd.Function):
-    """Differentiable wrapper of the fastest variant: returns (o, final_state fp32).
-
-    o and the gradients of q, k, v come back in the inputs' dtypes. In Triton's CPU interpreter (tensors not
-    on CUDA) bfloat16 inputs are computed in float32, since the interpreter's bf16 arithmetic is wrong: o is
-    rounded to bfloat16 at the end and the gradients reach the bfloat16 leaves as bfloat16.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, log2_decay, initial_state, block_size=None):
-        ctx.set_materialize_grads(False)  # an unused final state must not cost a zero-gradient pass
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
-        q, k, v = (x.contiguous() for x in (q, k, v))
-        qc, kc, vc = upcast_for_interpreter(q, k, v)
-        cfg = kernel_config(q.shape[-1], v.shape[-1], qc.dtype, block_size)
-        o, sn, (seg_len, incoming) = la2_fast_forward(qc, kc, vc, log2_decay.detach(), initial_state,
-                                                      save_states=True, **cfg)
-        ctx.save_for_backward(q, k, v, log2_decay, initial_state, incoming)  # as given: upcast again if needed
-        ctx.seg_len = seg_len
-        ctx.has_state = initial_state is not None
-        ctx.cfg = cfg
-        return o.to(v.dtype), sn
-
-    @staticmethod
-    def backward(ctx, do, d_sn):
-        q, k, v, log2_decay, initial_state, incoming = ctx.saved_tensors
-        q, k, v = upcast_for_interpreter(q, k, v)
-        do = torch.zeros_like(v) if do is None else upcast_for_interpreter(do.contiguous())[0]
-        backward = backward_kernel(q.shape[-1], v.shape[-1], q.dtype)
-        dq, dk, dv, ds0 = backward(
-            q, k, v, do, log2_decay.detach(), initial_state if ctx.has_state else None, d_sn,
-            saved=(ctx.seg_len, incoming), **ctx.cfg,
-        )
-        d_log2 = None
-        if ctx.needs_input_grad[3]:  # a learnable decay: the tangent pass in torch ops; d/d(log2 lambda) = ln 2 d/d(ln lambda)
-            lam = torch.exp2(log2_decay.detach().double())
-            init = initial_state if ctx.has_state else None
-            d_log2 = (decay_gradient(q, k, v, do, lam, init, d_sn) * math.log(2.0)).to(log2_decay.dtype)
-        dq, dk, dv = (g.to(dtype) for g, dtype in zip((dq, dk, dv), ctx.dtypes))
-        d_state = ds0.to(initial_state.dtype) if ctx.has_state and ctx.needs_input_grad[4] else None
-        return dq, dk, dv, d_log2, d_state, None
-
-
 def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
-    """(o, final_state) by the Triton backend; ``decay`` is a sequence of per-head lambdas.
+    """(o, final_state) by the Triton backend; ``decay`` is a sequence of per-head lambdas (or a tensor).
 
-    o has v's dtype, final_state is float32. bfloat16 inputs off CUDA (the CPU interpreter) are computed in
-    float32 and o is returned as bfloat16; gradients flow back to the bfloat16 leaves as bfloat16."""
-    return TritonLightningAttention.apply(q, k, v, log2_decay_tensor(decay, q.device), initial_state, block_size)
+    One call of the custom op ``lightning_edu::la2_forward`` (:mod:`.ops`), differentiable through its
+    registered backward, and a single node to :func:`torch.compile`. o has v's dtype, final_state is float32.
+    bfloat16 inputs off CUDA (the CPU interpreter) are computed in float32 and o is returned as bfloat16;
+    gradients flow back to the bfloat16 leaves as bfloat16."""
+    o, sn, _ = la2_forward(q, k, v, log2_decay_tensor(decay, q.device), initial_state, block_size)
+    return o, sn
+
+
+from .ops import la2_backward, la2_forward  # noqa: E402  (after kernel_config and backward_kernel, which it uses)

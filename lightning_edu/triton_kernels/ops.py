@@ -1,0 +1,173 @@
+"""The backend as two ``torch.library`` custom ops, so that ``torch.compile`` sees one op, not Python. (Chapter 08.)
+
+``lightning_attention(..., backend="triton")`` runs the fastest variant's kernels through two operators in the
+namespace ``lightning_edu``::
+
+    lightning_edu::la2_forward(Tensor q, Tensor k, Tensor v, Tensor log2_decay, Tensor? initial_state=None,
+                               int? block_size=None) -> (Tensor o, Tensor final_state, Tensor incoming)
+    lightning_edu::la2_backward(Tensor q, Tensor k, Tensor v, Tensor do, Tensor log2_decay,
+                                Tensor? initial_state, Tensor? d_final_state, Tensor incoming,
+                                int? block_size=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor d_initial_state)
+
+q, k: (batch, heads, n, d_k); v, do: (batch, heads, n, d_v); log2_decay: float32 (heads,), log2(lambda);
+initial_state, d_final_state: (batch, heads, d_k, d_v) or None. o, dq, dk, dv come back in the dtypes of v, q,
+k, v; final_state and d_initial_state in float32. ``incoming`` is what the forward saves for the backward's dQ
+pass: every segment's incoming state, float32 (batch * heads, num_segments, d_k, d_v), or an empty float32
+tensor of shape (0,) when the sequence is one segment (an op returns tensors, never None). It is marked
+non-differentiable.
+
+Why an op. Dynamo cannot trace into a Triton launch (Python-side grids, a pre-pass, the two-pass NaN scheme,
+int flags), and an ``autograd.Function`` that launches kernels is a graph break. A custom op is one node of
+the graph: :func:`torch.compile` (``fullgraph=True``) captures a model that calls the backend, AOTAutograd
+traces the backward through :func:`_backward` (which calls ``la2_backward``, and for a learnable decay the
+torch-ops tangent pass :func:`~lightning_edu.torch_chunked.decay_gradient`), and Inductor compiles what is
+around the two ops. Each op has a fake (meta) implementation that gives its outputs' shapes and dtypes
+without launching anything: :func:`launch_plan` computes on shapes alone the segment length the launcher
+would pick, so the fake knows the shape of ``incoming``, and the backward recomputes it instead of carrying a
+Python int beside the saved tensors.
+
+``custom_op``, not ``triton_op``. ``torch.library.triton_op`` would let Inductor see (and fuse around, or put
+in a CUDA graph) the kernels themselves, but every launch would have to go through ``wrap_triton`` and the
+host code between launches would be traced with fake tensors: the launchers of ``la2_fast``/``la3`` (grids
+from ``sm_count``, the flags of the exact pass, the pre-pass that runs only with more than one segment, the
+float64 torch epilogue of :func:`~la2_fast.finish_backward`) would all have to be rewritten that way. And
+Inductor generates code for user Triton kernels on GPUs only: on a machine without CUDA, where the kernels run
+in Triton's CPU interpreter, a ``triton_op`` could not be compiled at all. A ``custom_op`` is opaque: the
+launchers run as they are, in eager, in the interpreter and on a GPU, compiled or not. What it costs: Inductor
+cannot fuse the cast of o to another dtype into the kernel, and the op's launches are not captured by CUDA
+graphs when the compiled region contains them (``mode="reduce-overhead"`` runs them outside the graphs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from torch import Tensor
+
+from ..torch_chunked import decay_gradient
+from ._tiles import interpreted, pad_dim, sm_count, upcast_for_interpreter
+from .la2_fast import choose_segments, la2_fast_forward
+
+__all__ = ["la2_forward", "la2_backward", "launch_plan", "compute_dtype"]
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the kernels load x's tiles in: float32 for bfloat16 bound for the CPU interpreter (its bf16
+    arithmetic is wrong, see :func:`~._tiles.upcast_for_interpreter`), x's own dtype otherwise."""
+    return torch.float32 if x.dtype == torch.bfloat16 and interpreted(x) else x.dtype
+
+
+def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None) -> tuple[dict, int, int]:
+    """(cfg, seg_len, num_segments) of the backend's forward on tensors shaped like q and v, from shapes, dtype
+    and device alone (it reads no data, so the fake implementations and the backward can call it).
+
+    ``cfg`` is :func:`~lightning_edu.triton_kernels.kernel_config`'s; seg_len and num_segments are what
+    ``la2_fast_forward`` picks when given no seg_len (its d_v slices, then
+    :func:`~.la2_fast.choose_segments`); the forward op passes this seg_len to it explicitly, so the saved
+    segment states always have the layout computed here.
+    """
+    from . import kernel_config  # the package defines it before importing this module
+
+    batch, heads, n, d_k = q.shape
+    d_v = v.shape[-1]
+    cfg = kernel_config(d_k, d_v, compute_dtype(q), block_size)
+    sms = sm_count(q.device)
+    block_dv = cfg["block_dv"]
+    if block_dv is None:  # as la2_fast._forward_form: split d_v only when (batch, head) programs fill the chip
+        block_dv = 64 if batch * heads >= sms else 128
+    slices = triton.cdiv(d_v, min(pad_dim(d_v), block_dv))
+    num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sms)
+    return cfg, seg_len, num_seg
+
+
+def _contiguous(*xs):
+    return tuple(None if x is None else x.contiguous() for x in xs)
+
+
+@torch.library.custom_op("lightning_edu::la2_forward", mutates_args=())
+def la2_forward(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_state: Tensor | None = None,
+                block_size: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(o in v's dtype, final_state fp32, incoming): la2_fast's forward with its segment states saved."""
+    cfg, seg_len, num_seg = launch_plan(q, v, block_size)
+    out_dtype = v.dtype
+    q, k, v = upcast_for_interpreter(*_contiguous(q, k, v))
+    o, sn, (_, incoming) = la2_fast_forward(q, k, v, log2_decay.float().contiguous(), initial_state,
+                                            save_states=True, seg_len=seg_len, **cfg)
+    if incoming is None:  # one segment: nothing to save, and an op returns a tensor
+        incoming = sn.new_empty(0)
+    return o.to(out_dtype), sn, incoming
+
+
+@la2_forward.register_fake
+def _la2_forward_fake(q, k, v, log2_decay, initial_state=None, block_size=None):
+    _, _, num_seg = launch_plan(q, v, block_size)
+    batch, heads, _, d_k = q.shape
+    d_v = v.shape[-1]
+    o = v.new_empty(v.shape)
+    sn = q.new_empty((batch, heads, d_k, d_v), dtype=torch.float32)
+    if num_seg > 1:
+        incoming = q.new_empty((batch * heads, num_seg, d_k, d_v), dtype=torch.float32)
+    else:
+        incoming = q.new_empty((0,), dtype=torch.float32)
+    return o, sn, incoming
+
+
+@torch.library.custom_op("lightning_edu::la2_backward", mutates_args=())
+def la2_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tensor, initial_state: Tensor | None,
+                 d_final_state: Tensor | None, incoming: Tensor,
+                 block_size: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv in q's, k's, v's dtypes, d_initial_state fp32) by the backend's backward kernel
+    (:func:`~lightning_edu.triton_kernels.backward_kernel`), its dQ pass started from ``incoming``."""
+    from . import backward_kernel
+
+    cfg, seg_len, num_seg = launch_plan(q, v, block_size)
+    want = (q.shape[0] * q.shape[1], num_seg, q.shape[-1], v.shape[-1]) if num_seg > 1 else (0,)
+    if tuple(incoming.shape) != want:
+        raise ValueError(f"incoming must be the forward's saved segment states, shape {want} for these inputs "
+                         f"and block_size, got {tuple(incoming.shape)}")
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    q, k, v, do = upcast_for_interpreter(*_contiguous(q, k, v, do))
+    backward = backward_kernel(q.shape[-1], v.shape[-1], q.dtype)
+    dq, dk, dv, ds0 = backward(q, k, v, do, log2_decay.float().contiguous(), initial_state, d_final_state,
+                               saved=(seg_len, incoming if num_seg > 1 else None), **cfg)
+    dq, dk, dv = (g.to(dtype) for g, dtype in zip((dq, dk, dv), dtypes))
+    return dq, dk, dv, ds0
+
+
+@la2_backward.register_fake
+def _la2_backward_fake(q, k, v, do, log2_decay, initial_state, d_final_state, incoming, block_size=None):
+    batch, heads, _, d_k = q.shape
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((batch, heads, d_k, v.shape[-1]), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, log2_decay, initial_state, block_size = inputs
+    incoming = output[2]
+    ctx.set_materialize_grads(False)  # an unused final state must not cost a zero-gradient pass
+    ctx.mark_non_differentiable(incoming)
+    ctx.save_for_backward(q, k, v, log2_decay, initial_state, incoming)  # as given: upcast again if needed
+    ctx.block_size = block_size
+
+
+def _backward(ctx, do, d_sn, _d_incoming):
+    q, k, v, log2_decay, initial_state, incoming = ctx.saved_tensors
+    needs = ctx.needs_input_grad  # (q, k, v, log2_decay, initial_state, block_size)
+    if do is None and d_sn is None:
+        return None, None, None, None, None, None
+    if do is None:
+        do = torch.zeros_like(v)
+    log2_decay = log2_decay.detach()
+    dq, dk, dv, ds0 = la2_backward(q, k, v, do, log2_decay, initial_state, d_sn, incoming, ctx.block_size)
+    d_log2 = None
+    if needs[3]:  # a learnable decay: the tangent pass in torch ops; d/d(log2 lambda) = ln 2 d/d(ln lambda)
+        qc, kc, vc, doc = upcast_for_interpreter(q, k, v, do)
+        lam = torch.exp2(log2_decay.double())
+        d_log2 = (decay_gradient(qc, kc, vc, doc, lam, initial_state, d_sn) * math.log(2.0)).to(log2_decay.dtype)
+    d_state = ds0.to(initial_state.dtype) if initial_state is not None and needs[4] else None
+    return dq, dk, dv, d_log2, d_state, None
+
+
+la2_forward.register_autograd(_backward, setup_context=_setup_context)
