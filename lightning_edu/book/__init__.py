@@ -2,9 +2,9 @@
 (:mod:`.plots`) and the widgets with their static twins (:mod:`.decay_view`, :mod:`.explorer`).
 
 The table of contents is read from ``book.toml``, the one place that declares chapter order.
-``python -m lightning_edu.book`` prints the README's chapter table; ``python -m lightning_edu.book summary``
-writes the mdBook ``SUMMARY.md`` (with each notebook converted to Markdown by nbconvert) into the
-``src`` folder that book.toml names, so ``mdbook build`` renders the executed notebooks.
+``python -m lightning_edu.book`` prints the README's chapter table; ``python -m lightning_edu.book build`` builds
+the book as a website (every executed notebook, rendered by mdBook into book.toml's ``build-dir``; see
+:mod:`.site`), and ``... summary`` writes only mdBook's Markdown sources and ``SUMMARY.md``.
 """
 
 from __future__ import annotations
@@ -63,24 +63,15 @@ def chapter_table(root: Path | None = None) -> str:
 
 
 def write_mdbook_sources(root: Path | None = None) -> Path:
-    """Convert every chapter to Markdown under book.toml's ``src`` and write SUMMARY.md there."""
-    import nbformat
-    from nbconvert import MarkdownExporter
+    """Write every chapter as Markdown under book.toml's ``src``, with SUMMARY.md, and return that folder.
 
-    root = root or repo_root()
-    src = root / load_config(root)["book"]["src"]
-    src.mkdir(parents=True, exist_ok=True)
-    summary = ["# Summary", ""]
-    exporter = MarkdownExporter()
-    for ch in chapters(root):
-        body, resources = exporter.from_notebook_node(nbformat.read(ch.path, as_version=4))
-        name = ch.file.replace(".ipynb", ".md")
-        (src / name).write_text(body)
-        for fname, data in resources.get("outputs", {}).items():
-            (src / fname).write_bytes(data)
-        summary.append(f"- [{ch.title}](./{name})")
-    (src / "SUMMARY.md").write_text("\n".join(summary) + "\n")
-    return src
+    Each page carries its notebook's stored outputs (figures as files beside it), its math typeset by KaTeX,
+    and a line on how to open the live notebook; :func:`lightning_edu.book.site.write_sources` does the work
+    and ``python -m lightning_edu.book build`` then runs mdBook over it.
+    """
+    from .site import write_sources
+
+    return write_sources(root)
 
 
 def setup_notebook() -> str:
