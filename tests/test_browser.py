@@ -3,7 +3,9 @@
 Starts JupyterLab from .venv on a random loopback port (no token) over a temporary copy of the
 notebook, opens it in /usr/bin/chromium through Playwright (never Playwright's own browser download),
 runs all cells from the Run menu, focuses the explorer's block-size slider, presses ArrowRight, and
-asserts that the readout and the plot change. A screenshot goes to test-artifacts/ (git-ignored).
+asserts that the readout and the plot change. A second test runs chapter 11's feature explorer from a small
+notebook written into the same server's folder, moves its decay slider with the keyboard and picks the learned
+map in its dropdown. Screenshots go to test-artifacts/ (git-ignored). One JupyterLab serves the whole module.
 """
 
 from __future__ import annotations
@@ -69,9 +71,12 @@ def _wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float
     raise RuntimeError(f"jupyter lab did not answer within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.fixture
-def jupyter_lab(tmp_path):
-    """A JupyterLab server over a temporary folder holding a copy of chapter 04; yields its base URL."""
+@pytest.fixture(scope="module")
+def jupyter_server(tmp_path_factory):
+    """A JupyterLab server over a temporary folder holding a copy of chapter 04; yields (base URL, that folder).
+
+    Module-scoped: every test of this file talks to the same server (JupyterLab starts once)."""
+    tmp_path = tmp_path_factory.mktemp("jupyter")
     root = tmp_path / "root"
     root.mkdir()
     shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
@@ -97,7 +102,7 @@ def jupyter_lab(tmp_path):
     try:
         url = f"http://127.0.0.1:{port}/"
         _wait_for_server(url, proc, log)
-        yield url
+        yield url, root
     finally:
         # The server was started in its own session: stop it and the kernel it started, by that group id.
         try:
@@ -109,6 +114,12 @@ def jupyter_lab(tmp_path):
             except ProcessLookupError:
                 pass
             proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def jupyter_lab(jupyter_server):
+    """The base URL of the module's JupyterLab server."""
+    return jupyter_server[0]
 
 
 def test_block_size_slider_redraws_explorer_in_chromium(jupyter_lab):
@@ -179,4 +190,90 @@ def test_block_size_slider_redraws_explorer_in_chromium(jupyter_lab):
     assert "B = 64," in text_before and "B = 128," in text_after
     assert text_after != text_before
     assert shot_after != shot_before, "the output area looks the same after moving the slider"
+    assert time.monotonic() - started < 150
+
+
+def test_feature_explorer_decay_slider_redraws_in_chromium(jupyter_server):
+    """Chapter 11's feature explorer in a small notebook of its own: the decay slider, moved with the keyboard,
+    redraws the plot; choosing the learned map in the dropdown enables the d' slider and redraws again."""
+    import nbformat
+    from playwright.sync_api import expect, sync_playwright
+
+    url, root = jupyter_server
+    name = "feature_explorer_check.ipynb"
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell("from lightning_edu.book.feature_view import feature_explorer\nfeature_explorer()")],
+        metadata={"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}},
+    )
+    nbformat.write(notebook, root / name)
+    ARTIFACTS.mkdir(exist_ok=True)
+    started = time.monotonic()
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.set_default_timeout(60_000)
+                # ?reset: a fresh workspace, not the layout the test before left (chapter 04 open beside it)
+                page.goto(url + "lab/tree/" + name + "?reset")
+                panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)").first
+                panel.locator(".jp-Cell").first.wait_for(timeout=60_000)
+                indicator = page.locator(".jp-Notebook-ExecutionIndicator")
+                expect(page.get_by_role("button", name=re.compile(r"Python 3 \(ipykernel\) \| Idle"))).to_be_visible(timeout=60_000)
+                expect(indicator).to_have_attribute("data-status", "idle", timeout=60_000)
+
+                # run the one cell: select it, then Shift+Enter (retried if the page was still settling)
+                image = page.locator(".lightning-feature-plot img").first
+                for attempt in range(3):
+                    panel.locator(".jp-Cell .jp-InputArea-editor").first.click()
+                    page.keyboard.press("Shift+Enter")
+                    try:
+                        expect(image).to_be_visible(timeout=30_000)
+                        break
+                    except AssertionError:
+                        page.keyboard.press("Escape")
+                else:
+                    raise AssertionError("the feature explorer's plot did not appear after three attempts to run the cell")
+                expect(indicator).to_have_attribute("data-status", "idle", timeout=30_000)
+
+                decay = page.locator(".lightning-feature-decay").first
+                d_feature = page.locator(".lightning-feature-d-feature").first
+                decay.scroll_into_view_if_needed()
+                explorer_box = decay.locator("xpath=ancestor::div[contains(@class, 'jp-OutputArea-output')][1]")
+                expect(decay).to_contain_text("1")  # the readout of lambda, the last choice
+                expect(d_feature.locator(".noUi-target")).to_have_attribute("disabled", re.compile(".*"))
+                src_before = image.get_attribute("src")
+                assert src_before, "the feature explorer's plot image has no src"
+                shot_before = explorer_box.screenshot()
+
+                # lambda = 1 is the last choice: ArrowLeft moves to 0.99, released at once (a key press)
+                decay.locator(".noUi-handle").first.focus()
+                page.keyboard.press("ArrowLeft")
+                expect(decay.locator(".widget-readout")).to_have_text("0.99", timeout=30_000)
+                page.wait_for_function(
+                    "([sel, old]) => { const img = document.querySelector(sel); return img && img.src && img.src !== old; }",
+                    arg=[".lightning-feature-plot img", src_before],
+                    timeout=30_000,
+                )
+                page.wait_for_timeout(500)  # let the new image paint before the screenshot
+                shot_after = explorer_box.screenshot()
+                explorer_box.screenshot(path=str(ARTIFACTS / "ch11_feature_explorer_after_arrow_left.png"))
+
+                # the dropdown: the learned map enables d' and redraws
+                src_decay = page.locator(".lightning-feature-plot img").first.get_attribute("src")
+                page.locator(".lightning-feature-map select").first.select_option("learned relu2")
+                page.wait_for_function(
+                    "([sel, old]) => { const img = document.querySelector(sel); return img && img.src && img.src !== old; }",
+                    arg=[".lightning-feature-plot img", src_decay],
+                    timeout=30_000,
+                )
+                expect(d_feature.locator(".noUi-target")).not_to_have_attribute("disabled", re.compile(".*"), timeout=10_000)
+                page.wait_for_timeout(500)
+                explorer_box.screenshot(path=str(ARTIFACTS / "ch11_feature_explorer_learned.png"))
+                page.screenshot(path=str(ARTIFACTS / "ch11_jupyterlab.png"))
+            finally:
+                browser.close()
+    finally:
+        (root / name).unlink(missing_ok=True)
+    assert shot_after != shot_before, "the output area looks the same after moving the decay slider"
     assert time.monotonic() - started < 150
