@@ -148,7 +148,7 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
     hw = Hardware() if hardware is None else hardware
     log_lam = math.log10(lam)
     # a fixed layout: constrained layout measures every tick label and triples the redraw time
-    fig = Figure(figsize=(15.0, 8.4))
+    fig = Figure(figsize=(12.0, 7.2))  # at 100 dpi: 1200 x 720 px, the width of a notebook cell and of a site page
     axes = fig.subplots(2, 3, gridspec_kw=dict(left=0.05, right=0.985, bottom=0.07, top=0.9, wspace=0.3, hspace=0.32))
     fig.suptitle(f"Block size B = {block_size}, decay λ = {lam:g}, d_k = d_v = {d}, n = {n}")  # plain text: mathtext parsing slows redraws
 
@@ -172,11 +172,11 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
         span = max(span, 360.0)
         ax.axhline(FLOAT64_MAX_LOG10, color=color("floor"), lw=0.8)
         ax.axhline(FLOAT64_TINY_LOG10, color=color("floor"), lw=0.8)
-        ax.text(0, FLOAT64_MAX_LOG10, " float64 overflows above", va="bottom", fontsize=8)
-        ax.text(0, FLOAT64_TINY_LOG10, " float64 holds 0 below", va="top", fontsize=8)
+        ax.text(0, FLOAT64_MAX_LOG10, " float64 overflows above", va="bottom", fontsize=9)
+        ax.text(0, FLOAT64_TINY_LOG10, " float64 holds 0 below", va="top", fontsize=9)
     ax.set_ylim(-span, span)
     ax.set(title="decay factors of one block", xlabel="row r in the block (0-based)", ylabel="log10 of the factor")
-    ax.legend(fontsize=8, loc="center right")
+    ax.legend(fontsize=9, loc="best")
 
     # 3-5. the cost model against B, current B marked
     sizes, sweep, times, unconstrained = _cost_sweep(block_size, d, n, hw)
@@ -187,7 +187,7 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
     ax.axvline(block_size, color=color("floor"), ls=":", label=f"B = {block_size}")
     _log2_axes(ax, sizes)
     ax.set(title=f"FLOPs, {COST_SETTING['heads']} heads", xlabel="block size B (rows)", ylabel="FLOPs")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
 
     ax = axes[1, 0]
     ax.plot(sizes, [c.sram_bytes_per_block for c in sweep], "o-", color=color("blockwise"), label="on chip per block")
@@ -196,7 +196,7 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
     ax.axvline(block_size, color=color("floor"), ls=":")
     _log2_axes(ax, sizes)
     ax.set(title="memory, bf16", xlabel="block size B (rows)", ylabel="bytes")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
 
     ax = axes[1, 1]
     fits = np.isfinite(times)
@@ -210,7 +210,7 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
     ax.set_yscale("linear")  # the times span about one decade: a linear axis keeps its labels
     ax.set_ylim(0, None)
     ax.set(title="modelled time (toy A100-like model)", xlabel="block size B (rows)", ylabel="time (microseconds)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=9)
 
     # 6. the error of the numpy blockwise result against the recurrent scan
     ax = axes[1, 2]
@@ -222,10 +222,10 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
         ax.axvline(start, color=color("floor"), lw=0.5, alpha=0.5)
     ax.axhline(np.finfo(np.float64).eps, color=color("floor"), ls="--", lw=0.8, label="float64 epsilon")
     ax.set_ylim(floor / 2, 1e-10)
-    ax.set(title=f"blockwise vs recurrent: relative error {rel:.1e}",
+    ax.set(title=f"blockwise vs recurrent: error {rel:.1e}",
            xlabel=f"token t of {tokens}, d = {min(d, ERROR_MAX_D)} (grey: block edges)",
            ylabel="max |difference| / max |o|")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=9, loc="upper right")
     return fig
 
 
@@ -243,7 +243,7 @@ def _log2_axes(ax, sizes):
 
 def _png(fig: Figure) -> bytes:
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=72)
+    fig.savefig(buffer, format="png", dpi=100)  # 9-point legends read at about 12 px
     return buffer.getvalue()
 
 
