@@ -21,7 +21,6 @@ commit:
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 
@@ -68,9 +67,6 @@ def memory_table(model: dict = MODEL, contexts=CONTEXTS, batch: int = 1) -> list
     return rows
 
 
-def _decays(heads: int) -> list[float]:
-    return [math.exp(-(2.0 ** (-8.0 * (h + 1) / heads))) for h in range(heads)]
-
 
 def main(argv=None) -> int:
     import torch
@@ -81,7 +77,7 @@ def main(argv=None) -> int:
     from ..api import lightning_attention_step
     from ..triton_kernels import log2_decay_tensor
     from ..triton_kernels.decode import decode_step
-    from .bench import copy_bandwidth
+    from .bench import copy_bandwidth, head_decays
     from .environment import environment_record
 
     argv = sys.argv[1:] if argv is None else argv
@@ -119,7 +115,7 @@ def main(argv=None) -> int:
     # -- memory: one layer, the model's heads, batch 1, a loop of `steps` new tokens after a context of n.
     heads = MODEL["heads"]
     steps = 16
-    l2 = log2_decay_tensor(_decays(heads), "cuda")
+    l2 = log2_decay_tensor(head_decays(heads).tolist(), "cuda")
     q, k, v = (rand(1, heads, steps, d) for _ in range(3))
     for n in MEMORY_CONTEXTS:
         def ours():
@@ -147,7 +143,7 @@ def main(argv=None) -> int:
 
     # -- speed: one step of one layer.
     heads = SPEED_HEADS
-    decay = _decays(heads)
+    decay = head_decays(heads).tolist()
     l2 = log2_decay_tensor(decay, "cuda")
 
     def timed(method, batch, context, fn, **extra):

@@ -21,6 +21,7 @@ import math
 import sys
 import time
 
+from .bench import head_decays
 from .environment import environment_record
 from .resources import compiled_resources
 
@@ -35,9 +36,6 @@ TILES = {
 }
 HEADS = 16
 
-
-def _decays(heads: int) -> list[float]:
-    return [math.exp(-(2.0 ** (-8.0 * (h + 1) / heads))) for h in range(heads)]
 
 
 def main(argv=None) -> int:
@@ -61,7 +59,7 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(record, f, indent=1)
 
-    decay = _decays(HEADS)
+    decay = head_decays(HEADS).tolist()
     l2 = log2_decay_tensor(decay, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     start = time.time()
