@@ -36,9 +36,9 @@ def blockwise_right(q, k, v, lam, block, inter_power_offset=1, update_first=Fals
 
 
 def test_right_answers_pass(capsys):
-    assert check_intra_block(intra_right)
-    assert check_state_update(state_right)
-    assert check_blockwise_attention(blockwise_right)
+    check_intra_block(intra_right)
+    check_state_update(state_right)
+    check_blockwise_attention(blockwise_right)
     assert capsys.readouterr().out.count("Correct:") == 3
 
 

@@ -22,7 +22,7 @@ def update(dkv, q_block, do_block, decay, first_power=1, old_power=None, after=F
 
 
 def test_dkv_update_right_passes(capsys):
-    assert check_dkv_update(update)
+    check_dkv_update(update)
     assert "Correct" in capsys.readouterr().out
 
 
@@ -57,7 +57,7 @@ def inter(v_block, dkv, decay, powers="right"):
 
 
 def test_dk_inter_right_passes(capsys):
-    assert check_dk_inter(inter)
+    check_dk_inter(inter)
     assert "Correct" in capsys.readouterr().out
 
 
@@ -100,7 +100,7 @@ def sweep(q, k, v, do, decay, block_size, read_after_update=False, next_do=False
 
 
 def test_reverse_sweep_right_passes(capsys):
-    assert check_reverse_sweep(sweep)
+    check_reverse_sweep(sweep)
     assert "Correct" in capsys.readouterr().out
 
 

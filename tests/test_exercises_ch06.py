@@ -82,9 +82,9 @@ def dq_no_decay(dob, states, lam):
 
 
 def test_model_solutions_pass(capsys):
-    assert ch06.check_inter_block_outputs(inter_right) is True
-    assert ch06.check_state_scan(scan_right) is True
-    assert ch06.check_inter_block_dq(dq_right) is True
+    ch06.check_inter_block_outputs(inter_right)
+    ch06.check_state_scan(scan_right)
+    ch06.check_inter_block_dq(dq_right)
     assert capsys.readouterr().out.count("Correct:") == 3
 
 
@@ -136,7 +136,7 @@ def test_nan_answers_get_a_message_not_an_index_error():
         states[:, :, 2:] = float("nan")
         return states
 
-    with pytest.raises(ExerciseError, match="state 2 \\(the one entering block 2\\) differs first"):
+    with pytest.raises(ExerciseError, match="state 2 \\(the one entering block 2\\) holds NaN"):
         ch06.check_state_scan(scan_nan_from_block_2)
 
     def inter_all_nan(qb, states, lam):

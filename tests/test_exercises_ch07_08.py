@@ -89,6 +89,8 @@ def reverse_kernel(Q, K, V, DO, DK, DV, DKV_OUT, LOG2_DECAY, n, H,
     num_blocks = tl.cdiv(n, BLOCK)
     for i in range(0, num_blocks):
         start = (num_blocks - 1 - i) * BLOCK
+        if MISTAKE == 4:  # the wrong direction: first block to last
+            start = i * BLOCK
         rows = start + r
         ok = rows < n
         b = tl.minimum(n - start, BLOCK)
@@ -117,7 +119,7 @@ def reverse_kernel(Q, K, V, DO, DK, DV, DKV_OUT, LOG2_DECAY, n, H,
 
 
 def test_decay_tile_solution_passes(capsys):
-    assert check_decay_tile(_with(decay_tile_kernel, MISTAKE=0)) is True
+    check_decay_tile(_with(decay_tile_kernel, MISTAKE=0))
     assert capsys.readouterr().out.startswith("Correct:")
 
 
@@ -132,7 +134,7 @@ def test_decay_tile_mistakes(mistake, message):
 
 
 def test_inter_block_solution_passes(capsys):
-    assert check_inter_block_kernel(_with(forward_kernel, MISTAKE=0)) is True
+    check_inter_block_kernel(_with(forward_kernel, MISTAKE=0))
     assert "Correct: forward_kernel matches Algorithm 1" in capsys.readouterr().out
 
 
@@ -147,12 +149,13 @@ def test_inter_block_mistakes(mistake, message):
 
 
 def test_reverse_sweep_solution_passes(capsys):
-    assert check_reverse_sweep_kernel(_with(reverse_kernel, MISTAKE=0)) is True
+    check_reverse_sweep_kernel(_with(reverse_kernel, MISTAKE=0))
     assert "Correct: reverse_kernel matches Algorithm 2" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("mistake,message", [
-    (1, r"dk differs in block 3, rows 48-52 .*starts here with dKV = 0"),
+    (1, r"dk differs in block 3, rows 48-52 .*use dKV before you update it"),
+    (4, r"dk differs in block 3, rows 48-52 .*walks the blocks from the first to the last"),
     (2, r"dk differs in block 2, rows 32-47 .*did you use the reverse-sweep state\?"),
     (3, r"dv differs in block 2, rows 32-47 .*the reverse-sweep state is right, so the inter term is off"),
 ])
@@ -190,7 +193,7 @@ def la1_dq_kernel(K, V, DO, DQ, LOG2_DECAY, n, H, D_K: tl.constexpr, D_V: tl.con
 
 
 def test_la1_dq_solution_passes(capsys):
-    assert check_la1_dq_kernel(_with(la1_dq_kernel, MISTAKE=0)) is True
+    check_la1_dq_kernel(_with(la1_dq_kernel, MISTAKE=0))
     assert "Correct: dq_kernel matches LA-1's dQ" in capsys.readouterr().out
 
 
@@ -201,3 +204,79 @@ def test_la1_dq_solution_passes(capsys):
 def test_la1_dq_mistakes(mistake, message):
     with pytest.raises(ExerciseError, match=message):
         check_la1_dq_kernel(_with(la1_dq_kernel, MISTAKE=mistake))
+
+
+# ---------------------------------------------------------------- fresh inputs, broken kernels, the package's own
+
+
+@pytest.mark.parametrize("check, kernel", [
+    (check_decay_tile, decay_tile_kernel), (check_inter_block_kernel, forward_kernel),
+    (check_reverse_sweep_kernel, reverse_kernel), (check_la1_dq_kernel, la1_dq_kernel),
+], ids=["7.1", "7.2", "8.1", "8.2"])
+def test_model_kernels_pass_on_fresh_inputs(check, kernel, capsys):
+    check(_with(kernel, MISTAKE=0), seed=None)
+    assert "(fresh inputs, seed " in capsys.readouterr().out
+
+
+@triton.jit
+def tile_not_written(OUT, log2_lam, row_start, col_start, n, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+
+
+@triton.jit
+def tile_unimplemented(OUT, log2_lam, row_start, col_start, n, BLOCK: tl.constexpr):
+    # YOUR CODE HERE
+    raise NotImplementedError()
+
+
+@triton.jit
+def tile_inf(OUT, log2_lam, row_start, col_start, n, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    tl.store(OUT + r[:, None] * BLOCK + r[None, :], tl.full((BLOCK, BLOCK), float("inf"), tl.float32))
+
+
+@triton.jit
+def forward_not_written(Q, K, V, O, KV_OUT, LOG2_DECAY, n, H, D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr):
+    bh = tl.program_id(0)
+
+
+@triton.jit
+def reverse_not_written(Q, K, V, DO, DK, DV, DKV_OUT, LOG2_DECAY, n, H, D_K: tl.constexpr, D_V: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    bh = tl.program_id(0)
+
+
+@triton.jit
+def dq_not_written(K, V, DO, DQ, LOG2_DECAY, n, H, D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+
+
+@pytest.mark.parametrize("check, kernel, message", [
+    (check_decay_tile, tile_not_written, "NaN entries: every entry of the tile must be stored"),
+    (check_decay_tile, tile_unimplemented, "not implemented yet: it raised NotImplementedError"),
+    (check_decay_tile, tile_inf, "inf entries"),
+    (check_inter_block_kernel, forward_not_written, "O differs first in block 0"),
+    (check_reverse_sweep_kernel, reverse_not_written, "holds NaN or inf"),
+    (check_la1_dq_kernel, dq_not_written, "some rows are NaN"),
+], ids=["tile-unwritten", "tile-unimplemented", "tile-inf", "forward-unwritten", "reverse-unwritten", "dq-unwritten"])
+def test_broken_kernels_get_a_message(check, kernel, message):
+    with pytest.raises(ExerciseError, match=message) as info:
+        check(kernel)
+    assert "the check could not use" not in str(info.value)
+
+
+from lightning_edu.triton_kernels import la1  # noqa: E402
+
+
+@triton.jit
+def tile_from_the_package(OUT, log2_lam, row_start, col_start, n, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    tile = la1._decay_tile(log2_lam, row_start, col_start, n, BLOCK)
+    tl.store(OUT + r[:, None] * BLOCK + r[None, :], tile)
+
+
+def test_a_kernel_calling_the_package_is_refused():
+    from lightning_edu.exercises import IntegrityError
+
+    with pytest.raises(IntegrityError, match=r"calls lightning_edu\.triton_kernels\.la1\._decay_tile: write the algorithm yourself"):
+        check_decay_tile(tile_from_the_package)

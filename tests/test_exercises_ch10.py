@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lightning_edu import lightning_attention, lightning_attention_step
-from lightning_edu.exercises import ExerciseError
+from lightning_edu.exercises import ExerciseError, IntegrityError
 from lightning_edu.exercises.ch10 import (
     check_exposes_suspect,
     check_packed_forward,
@@ -72,9 +72,10 @@ def make_drifting_step():
 
 
 def test_step_model_solutions_pass(capsys):
-    assert check_step(make_step())
-    assert check_step(make_step("package"))
+    check_step(make_step())
     assert "Correct" in capsys.readouterr().out
+    with pytest.raises(IntegrityError, match="calls lightning_edu.lightning_attention_step: write the algorithm yourself"):
+        check_step(make_step("package"))
 
 
 @pytest.mark.parametrize("mistake, pattern", [
@@ -100,7 +101,7 @@ def test_step_run_names_the_first_wrong_token():
     ("raises", "raised IndexError"),
     ("none", "returned None"),
     ("single", "pair"),
-    ("string", "not an array of numbers"),
+    ("string", "not an array"),
 ])
 def test_a_broken_step_is_reported_not_crashed(mistake, pattern):
     with pytest.raises(ExerciseError, match=pattern):
@@ -151,7 +152,7 @@ def test_suspect_is_wrong_when_a_boundary_is_inside_a_block(bounds):
 
 def test_exposing_input_passes_and_names_the_token(capsys):
     q, k, v = qkv(40)
-    assert check_exposes_suspect(lambda: (q, k, v, 0.9, [0, 16, 21, 40]))
+    check_exposes_suspect(lambda: (q, k, v, 0.9, [0, 16, 21, 40]))
     out = capsys.readouterr().out
     assert "token 21 (sequence 2, its token 0)" in out and "boundary 21" in out
 
@@ -185,7 +186,7 @@ def test_a_degenerate_unaligned_input_is_explained():
     (lambda: (*qkv(40), 0.9), "5 things"),
     (lambda: None, "returned None"),
     (lambda: 1 / 0, "raised ZeroDivisionError"),
-    (lambda: ("q", "k", "v", 0.9, [0, 1]), "not an array of numbers"),
+    (lambda: ("q", "k", "v", 0.9, [0, 1]), "not an array"),
 ])
 def test_a_bad_input_is_reported_not_crashed(make_input, pattern):
     with pytest.raises(ExerciseError, match=pattern):
@@ -197,6 +198,16 @@ def test_a_bad_input_is_reported_not_crashed(make_input, pattern):
 
 
 def packed_by_package(q, k, v, lam, cu_seqlens):
+    """The model solution: one lightning_attention call per sequence (the package's own packed path, with
+    cu_seqlens, is what the exercise asks the reader to write, so the check refuses it)."""
+    o = np.zeros((q.shape[0], v.shape[1]))
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        if b > a:
+            o[a:b] = lightning_attention(q[None, None, a:b], k[None, None, a:b], v[None, None, a:b], lam, backend="numpy")[0, 0]
+    return o
+
+
+def packed_by_cu_seqlens(q, k, v, lam, cu_seqlens):
     o = lightning_attention(q[None, None], k[None, None], v[None, None], lam, backend="numpy", cu_seqlens=cu_seqlens)
     return o[0, 0]
 
@@ -238,10 +249,18 @@ def make_broken(kind):
 
 
 def test_packed_model_solutions_pass(capsys):
-    assert check_packed_forward(packed_by_package)
-    assert check_packed_forward(reference_packed_forward)
-    assert check_packed_forward(packed_by_mask)
-    assert "Correct" in capsys.readouterr().out
+    check_packed_forward(packed_by_package)
+    check_packed_forward(packed_by_mask)
+    assert capsys.readouterr().out.count("Correct") == 2
+
+
+@pytest.mark.parametrize("answer, name", [
+    (packed_by_cu_seqlens, "lightning_edu.packed.packed_forward"),
+    (reference_packed_forward, "lightning_edu.exercises.ch10.reference_packed_forward"),
+])
+def test_packed_forward_by_the_package_is_refused(answer, name):
+    with pytest.raises(IntegrityError, match=f"{name}.*write the algorithm yourself"):
+        check_packed_forward(answer)
 
 
 @pytest.mark.parametrize("block", [8, 16, 32])
@@ -285,7 +304,7 @@ def test_a_nan_leaking_backwards_in_its_own_sequence_is_named():
 @pytest.mark.parametrize("kind, pattern", [
     ("raises", "raised KeyError"),
     ("none", "returned None"),
-    ("string", "not an array of numbers"),
+    ("string", "not an array"),
     ("shape", r"has shape \(3, 40\), expected \(40, 3\)"),
     ("nan", "NaN or inf at token 0"),
     # the decay forgotten: token 0 of a sequence has none yet, so token 1 is the first wrong one

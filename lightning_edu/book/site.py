@@ -398,7 +398,14 @@ def _is_source_listing(data: dict) -> bool:
     )
 
 
+# Repository pages that are also pages of the website (after the chapters); a chapter links to one as
+# ``../NAME`` (right in JupyterLab, where notebooks/ sits beside it), the website as ``NAME``.
+APPENDICES = (("INSTRUCTORS.md", "Teaching with the book"),)
+
+
 def _markdown_with_math(source: str, math: _MathSpans, label: str) -> str:
+    for name, _ in APPENDICES:
+        source = source.replace(f"](../{name})", f"]({name})")
     try:
         pieces = split_math(source)
     except ValueError as e:
@@ -548,6 +555,12 @@ def _write_sources(root: Path, log=print) -> tuple[Path, _MathSpans]:
         for note in page.notes:
             log(f"  note: {note}")
         summary.append(f"- [{chapter.number:02d} {chapter.title}](./{name})")
+    summary.append("")
+    summary.append("---")
+    summary.append("")
+    for name, title in APPENDICES:  # pages of the repository that chapters link to as ../NAME
+        (src / name).write_text((root / name).read_text())
+        summary.append(f"[{title}](./{name})")
     (src / "SUMMARY.md").write_text("\n".join(summary) + "\n")
     return src, math
 

@@ -1,30 +1,131 @@
-"""The shared machinery of every exercise check."""
+"""The shared machinery of every exercise check.
+
+Every public ``check_...`` function is declared with :func:`exercise`, which gives it the same behaviour:
+
+* ``check_x(fn)`` draws the check's fixed inputs (what the notebook shows); ``check_x(fn, seed=None)`` draws
+  fresh ones and names their seed, so a grader's hidden test cannot be passed by an answer fitted to the
+  visible inputs, and ``check_x(fn, seed=s)`` reproduces a failure seen with seed ``s``.
+* the reader's function may not call the package's own implementation of what it is asked to write
+  (:mod:`._integrity`); the message names the function it called.
+* whatever the reader's function does -- raise, return a list, NaN, a string, the wrong shape -- the check
+  ends in :class:`ExerciseError` with a message, never in a crash of the check itself.
+"""
 
 from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import secrets
+import warnings
 
 import numpy as np
 
 from ..checks import to_numpy
 
-__all__ = ["ExerciseError", "expect_shape", "expect_close", "passed", "wrong_rows"]
+__all__ = [
+    "ExerciseError",
+    "IntegrityError",
+    "exercise",
+    "expect_array",
+    "expect_shape",
+    "expect_close",
+    "expect_count",
+    "passed",
+    "seeded",
+    "wrong_rows",
+]
 
 
 class ExerciseError(AssertionError):
     """Raised by a check with a message that says what is wrong and where."""
 
 
-def passed(message: str) -> bool:
-    print(f"Correct: {message}")
-    return True
+class IntegrityError(ExerciseError):
+    """The reader's function calls the package's implementation instead of writing the algorithm."""
+
+
+# The seed note of the check now running: "" for the fixed inputs, "fresh inputs, seed 123" otherwise.
+_NOTE: contextvars.ContextVar[str] = contextvars.ContextVar("lightning_edu_exercise_note", default="")
+
+
+def passed(message: str) -> None:
+    """Print the success line of a check (with the seed of its inputs, when they are not the fixed ones)."""
+    note = _NOTE.get()
+    print(f"Correct: {message}" + (f" ({note})" if note else ""))
+
+
+def seeded(seed: int) -> np.random.Generator:
+    """The generator of a check's extra inputs: its offset ``seed`` (never 0 here) drawn into a fresh stream."""
+    return np.random.default_rng([7919, int(seed)])
+
+
+# ------------------------------------------------------------------------------------------- answers
+
+
+def _torch_tensor_type():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return ()
+    return (torch.Tensor,)
+
+
+def expect_array(name: str, got) -> np.ndarray:
+    """``got`` as a float64 numpy array, or an ExerciseError saying why it is not an array of real numbers.
+
+    An exercise that asks for an array gets a numpy array or a torch tensor; a Python list, a scalar or a string
+    is refused with a message (a list of rows usually means a loop that should have been one array operation).
+    """
+    if got is None:
+        raise ExerciseError(f"{name}: your function returned None -- did you forget `return`?")
+    if isinstance(got, (list, tuple)):
+        raise ExerciseError(f"{name} is a Python {type(got).__name__}, not an array: return a numpy array (or a torch "
+                            "tensor in the PyTorch exercises), e.g. np.stack(rows) or np.asarray(values)")
+    if not isinstance(got, (np.ndarray, *_torch_tensor_type())):
+        raise ExerciseError(f"{name} is {type(got).__name__} ({_short(got)}), not an array: return a numpy array (or a "
+                            "torch tensor in the PyTorch exercises)")
+    dtype = got.dtype
+    if isinstance(got, np.ndarray) and dtype.kind not in "fiu":
+        raise ExerciseError(f"{name} has dtype {dtype}: expected an array of real numbers (float64)")
+    if not isinstance(got, np.ndarray) and (getattr(dtype, "is_complex", False) or str(dtype) == "torch.bool"):
+        raise ExerciseError(f"{name} has dtype {dtype}: expected a tensor of real numbers (float64)")
+    try:
+        return to_numpy(got)
+    except Exception as exc:  # noqa: BLE001 - e.g. a tensor on a meta device
+        raise ExerciseError(f"{name} could not be read as numbers: {type(exc).__name__}: {exc}") from exc
+
+
+def _short(value, limit: int = 60) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001
+        text = object.__repr__(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def expect_shape(name: str, got, expected_shape) -> np.ndarray:
-    if got is None:
-        raise ExerciseError(f"{name}: your function returned None -- did you forget `return`?")
-    arr = to_numpy(got)
+    arr = expect_array(name, got)
     if arr.shape != tuple(expected_shape):
         raise ExerciseError(f"{name} has shape {arr.shape}, expected {tuple(expected_shape)}")
     return arr
+
+
+def expect_count(name: str, got, *, what: str = "a count") -> int:
+    """``got`` as a Python int: an int or numpy integer, or a float that is a whole number; else ExerciseError."""
+    if got is None:
+        raise ExerciseError(f"{name} returned None -- did you forget `return`?")
+    if isinstance(got, (bool, np.bool_)):
+        raise ExerciseError(f"{name} returned {got!r}, a bool; {what} is an int")
+    if isinstance(got, (int, np.integer)):
+        return int(got)
+    if isinstance(got, (float, np.floating)):
+        if not np.isfinite(got):
+            raise ExerciseError(f"{name} returned {got!r}; {what} is a finite whole number")
+        if float(got).is_integer():
+            return int(got)
+        raise ExerciseError(f"{name} returned {got!r}, not a whole number; {what} is an int")
+    raise ExerciseError(f"{name} returned {_short(got)} of type {type(got).__name__}; {what} is an int")
 
 
 def wrong_rows(got, ref, *, rtol: float = 1e-9, axis: int = -2) -> np.ndarray:
@@ -35,7 +136,7 @@ def wrong_rows(got, ref, *, rtol: float = 1e-9, axis: int = -2) -> np.ndarray:
     """
     got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     scale = max(float(np.max(np.abs(ref))), 1e-300) if ref.size else 1.0
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore", over="ignore"):
         bad = ~(np.abs(got - ref) <= rtol * scale)  # NaN and inf fail the comparison, so they count as wrong
     bad = np.moveaxis(bad, axis, 0)
     return np.flatnonzero(bad.reshape(bad.shape[0], -1).any(axis=1))
@@ -48,8 +149,14 @@ def expect_close(name: str, got, ref, *, rtol: float = 1e-9, axis: int = -2, blo
     """
     ref = to_numpy(ref)
     arr = expect_shape(name, got, ref.shape)
-    if np.isnan(arr).any():
-        raise ExerciseError(f"{name} contains NaN" + (f" ({hint})" if hint else ""))
+    if not np.isfinite(arr).all():
+        rows = np.flatnonzero(~np.isfinite(np.moveaxis(arr, axis, 0)).reshape(arr.shape[axis], -1).all(axis=1))
+        kind = "NaN" if np.isnan(arr).any() else "inf"
+        where = f"rows {int(rows[0])}..{int(rows[-1])} ({len(rows)} of {arr.shape[axis]})"
+        if block_size:
+            where = f"block {int(rows[0]) // block_size} first; {where}"
+        raise ExerciseError(f"{name} contains {kind} in {where}: with finite inputs every entry is finite"
+                            + (f" ({hint})" if hint else ""))
     scale = max(float(np.max(np.abs(ref))), 1e-300) if ref.size else 1.0
     rows = wrong_rows(arr, ref, rtol=rtol, axis=axis)
     if not rows.size:
@@ -61,3 +168,105 @@ def expect_close(name: str, got, ref, *, rtol: float = 1e-9, axis: int = -2, blo
     diff = float(np.max(np.abs(arr - ref)))
     message = f"{name} differs first in {where}; max |difference| {diff:.2g} vs max |reference| {scale:.2g}"
     raise ExerciseError(message + (f". Hint: {hint}" if hint else ""))
+
+
+# ------------------------------------------------------------------------------------------- the declaration
+
+
+def _resolve_seed(seed) -> tuple[int, str]:
+    if seed is None:
+        fresh = secrets.randbelow(2**31 - 2) + 1
+        return fresh, f"fresh inputs, seed {fresh}"
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ExerciseError(f"seed must be None (fresh inputs), 0 (the fixed inputs) or a positive int, got {seed!r}")
+    seed = int(seed)
+    return seed, (f"inputs of seed {seed}" if seed else "")
+
+
+def _reader_error(exc: BaseException, label: str) -> ExerciseError | None:
+    """What the reader's code raised: NotImplementedError becomes a message at once (a released notebook's
+    placeholder); anything else is marked as the reader's, for the message of :func:`exercise`."""
+    if isinstance(exc, NotImplementedError):
+        return ExerciseError(f"{label} is not implemented yet: it raised NotImplementedError. Write your code in "
+                             "place of `raise NotImplementedError()`")
+    try:
+        exc._lightning_edu_reader = label  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - an exception type without a __dict__: reported as the check's own
+        pass
+    return None
+
+
+def exercise(number: str, *, allowed=(), strict=(), reveals=(), substitutes=None, kernel: bool = False):
+    """Declare the check of exercise ``number`` (e.g. ``"4.3"``).
+
+    ``allowed``: dotted names of package functions the reader may call (``"lightning_edu.numpy_reference.elu_plus_one"``);
+    ``strict``: dotted names that fail even when reached through an allowed function; ``reveals``: names of
+    package functions whose source shows this exercise's answer (a course hides ``show_source`` of them in the
+    students' copy, see :mod:`lightning_edu.assignments`); ``substitutes``: {name in the reader's namespace:
+    function} used in place of the reader's answers to earlier exercises while this one is checked;
+    ``kernel``: the answer is a Triton kernel (scanned, launched as is).
+
+    The decorated check takes ``(fn, *, seed=0)``: ``seed`` 0 draws the fixed inputs, ``None`` fresh ones (the
+    seed is printed), a positive int reproduces those of that seed. It prints ``Correct: ...`` or raises
+    :class:`ExerciseError`.
+    """
+
+    def declare(check):
+        takes_seed = "seed" in inspect.signature(check).parameters
+
+        @functools.wraps(check)
+        def run(fn, *args, seed: int | None = 0, **kwargs) -> None:
+            from . import _integrity
+
+            offset, note = _resolve_seed(seed)
+            if not takes_seed:  # a check without random inputs (it tests an input the reader made) runs as is
+                offset, note = 0, ""
+            label = getattr(_integrity._unwrap_kernel(fn), "__name__", None) or type(fn).__name__
+            suffix = (f" [{note}: {check.__name__}({label}, seed={offset}) reproduces them]" if offset else "")
+            if not (callable(fn) or hasattr(fn, "fn") or (kernel and hasattr(fn, "__getitem__"))):
+                raise ExerciseError(f"{check.__name__} needs your function, got {_short(fn)} of type {type(fn).__name__}")
+            allowed_objs = [_integrity.resolve(name) for name in allowed]
+            strict_objs = [_integrity.resolve(name) for name in strict]
+            _integrity.scan(fn, allowed=allowed_objs, label=label, kernel=kernel)
+            if kernel:
+                target = fn
+            else:
+                target = _integrity.guarded(fn, allowed=allowed_objs, strict=strict_objs, substitutes=substitutes,
+                                            label=label, on_error=lambda exc: _reader_error(exc, label))
+            token = _NOTE.set(note)
+            try:
+                with warnings.catch_warnings(), np.errstate(all="ignore"):
+                    # A warning on stderr would cost the points in nbgrader; the values decide, not warnings.
+                    warnings.simplefilter("ignore")
+                    if takes_seed:
+                        check(target, *args, seed=offset, **kwargs)
+                    else:
+                        check(target, *args, **kwargs)
+            except ExerciseError as exc:
+                if suffix:
+                    exc.args = (f"{exc.args[0] if exc.args else ''}{suffix}",) + tuple(exc.args[1:])
+                raise
+            except Exception as exc:  # noqa: BLE001 - never a crash of the check: say what happened
+                raise _as_exercise_error(exc, label, suffix) from exc
+            finally:
+                _NOTE.reset(token)
+
+        run.exercise = number
+        run.reveals = tuple(reveals)
+        run.allowed = tuple(allowed)
+        run.check = check
+        return run
+
+    return declare
+
+
+def _as_exercise_error(exc: Exception, label: str, suffix: str) -> ExerciseError:
+    reader = getattr(exc, "_lightning_edu_reader", None)
+    if isinstance(exc, NotImplementedError) and reader:
+        return ExerciseError(f"{label} is not implemented yet: it raised NotImplementedError. Write your code in place "
+                             "of `raise NotImplementedError()`" + suffix)
+    if reader:
+        return ExerciseError(f"your {label} raised {type(exc).__name__}: {exc}" + suffix)
+    return ExerciseError(f"the check could not use what your {label} returned ({type(exc).__name__}: {exc}); make "
+                         "sure it returns what the exercise asks for: the type, shape and dtype in its statement"
+                         + suffix)

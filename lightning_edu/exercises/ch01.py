@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..checks import random_qkv, relative_error, to_numpy
 from ..perf.measure import peak_memory_numpy
 from ..numpy_reference import elu_plus_one, linear_attention_right
-from ._core import ExerciseError, expect_close, expect_shape, passed
+from ._core import ExerciseError, exercise, expect_close, expect_shape, passed, seeded
 
 __all__ = ["check_right_product", "check_flop_counts", "check_normalized_linear_attention"]
 
@@ -15,10 +17,30 @@ __all__ = ["check_right_product", "check_flop_counts", "check_normalized_linear_
 _SHAPES = [(1, 2, 37, 5, 3), (2, 3, 7, 4, 6), (1, 1, 1, 3, 2), (1, 2, 130, 8, 8)]
 
 
-def check_right_product(right_product) -> bool:
+def _best_seconds(fn, *args, repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - start)
+        if best > 0.1:  # slow enough to be sure; spare the reader a second wait
+            break
+    return best
+
+
+# Work, not memory: a loop over the rows (or blocks of rows) of Q, each multiplied by all of K, never holds an
+# n x n matrix but still does n^2 work. Timed at two lengths 64 times apart: Q (K^T V) takes at most ~64 times
+# longer (less, as fixed costs dominate at the short one), n^2 work ~4096 times.
+_TIME_LENGTHS = (256, 16384)
+_TIME_RATIO = 250.0
+_TIME_FLOOR = 0.02  # seconds at the long length below which nothing is called quadratic
+
+
+@exercise("1.1", reveals=("linear_attention_right",))
+def check_right_product(right_product, seed: int = 0) -> None:
     """``right_product(q, k, v)`` must compute Q (K^T V) for (batch, heads, n, d) arrays without an n x n matrix."""
     for i, (b, h, n, dk, dv) in enumerate(_SHAPES):
-        q, k, v = random_qkv(b, h, n, dk, dv, seed=10 + i)
+        q, k, v = random_qkv(b, h, n, dk, dv, seed=10 + i + seed)
         try:
             got = right_product(q, k, v)
         except ValueError as exc:
@@ -36,7 +58,7 @@ def check_right_product(right_product) -> bool:
     # Same output as the left product, so only memory can tell the two orders apart: at n = 2048 an n x n
     # float64 matrix is 32 MiB, while K^T V is (d_k, d_v) and the output is n x d_v.
     n, d = 2048, 4
-    q, k, v = random_qkv(1, 1, n, d, seed=99)
+    q, k, v = random_qkv(1, 1, n, d, seed=99 + seed)
     peak = peak_memory_numpy(lambda: right_product(q, k, v))
     limit = 8 * n * n // 4
     if peak > limit:
@@ -45,8 +67,20 @@ def check_right_product(right_product) -> bool:
             f"that is an n x n matrix ({n * n * 8 / 2**20:.0f} MiB in float64). You computed (Q K^T) V; "
             "bracket it as Q (K^T V) so the only intermediate is d_k x d_v"
         )
+    short, long = (random_qkv(1, 1, length, d, seed=98 + seed) for length in _TIME_LENGTHS)
+    t_short, t_long = _best_seconds(right_product, *short), _best_seconds(right_product, *long)
+    ratio = t_long / max(t_short, 1e-6)
+    if t_long > _TIME_FLOOR and ratio > _TIME_RATIO:
+        n_short, n_long = _TIME_LENGTHS
+        raise ExerciseError(
+            f"right_product gives the right numbers in little memory, but its time grows like n^2: {t_short * 1e3:.2g} ms "
+            f"at n = {n_short} and {t_long * 1e3:.3g} ms at n = {n_long} ({n_long // n_short} times the tokens, "
+            f"{ratio:.0f} times the time). A loop over the rows (or blocks of rows) of Q that multiplies each by all of K "
+            "is the left product (Q K^T) V done piece by piece: n^2 work even without the n x n matrix. Form K^T V "
+            "once (d_k x d_v), then Q (K^T V)"
+        )
     # The exact peak varies by a KiB with numpy's allocator; the message states the bound it met.
-    return passed(f"right_product matches linear_attention_right on {len(_SHAPES)} shapes and needs under "
+    passed(f"right_product matches linear_attention_right on {len(_SHAPES)} shapes and needs under "
                   f"{limit / 2**20:.0f} MiB at n = {n} (an n x n matrix would take {n * n * 8 / 2**20:.0f} MiB)")
 
 
@@ -57,17 +91,24 @@ def _reference_flops(n: int, d_k: int, d_v: int) -> tuple[int, int]:
     return left, right
 
 
-def check_flop_counts(flop_counts) -> bool:
+@exercise("1.2")
+def check_flop_counts(flop_counts, seed: int = 0) -> None:
     """``flop_counts(n, d_k, d_v)`` must return (left_flops, right_flops), counting a multiply-add as 2 FLOPs."""
     cases = [(37, 5, 3), (1, 4, 4), (4096, 64, 64), (130, 16, 24), (1000, 128, 64)]
+    if seed:  # other sizes of the same kinds: d_k != d_v, n = 1, d_k = d_v
+        rng = seeded(seed)
+        n1, n2, n3, n4 = (int(x) for x in rng.integers(2, 8192, 4))
+        d = [int(x) for x in rng.integers(2, 257, 6)]
+        cases = [(n1, d[0], d[0] + 1 + d[1] % 7), (1, d[2], d[2]), (n2, d[3], d[3]), (n3, d[4], d[4] + 8),
+                 (n4, d[5] + 16, d[5])]
     for n, dk, dv in cases:
         got = flop_counts(n, dk, dv)
         if got is None:
             raise ExerciseError("flop_counts returned None -- did you forget `return left, right`?")
         try:
             left, right = (int(round(float(x))) for x in got)
-        except (TypeError, ValueError) as exc:
-            raise ExerciseError(f"flop_counts must return two numbers (left, right), got {got!r}") from exc
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ExerciseError(f"flop_counts must return two finite numbers (left, right), got {got!r}") from exc
         want_left, want_right = _reference_flops(n, dk, dv)
         where = f"at n = {n}, d_k = {dk}, d_v = {dv}"
         if (left, right) == (want_left, want_right):
@@ -93,13 +134,14 @@ def check_flop_counts(flop_counts) -> bool:
             f"right count {right} {where}, expected {want_right}: K^T V costs 2 n d_k d_v, then "
             "Q @ (d_k x d_v) costs another 2 n d_k d_v"
         )
-    return passed(f"flop counts right on {len(cases)} sizes (left 2n^2(d_k+d_v), right 4n d_k d_v)")
+    passed(f"flop counts right on {len(cases)} sizes (left 2n^2(d_k+d_v), right 4n d_k d_v)")
 
 
-def check_normalized_linear_attention(normalized_linear_attention) -> bool:
+@exercise("1.3", allowed=("lightning_edu.numpy_reference.elu_plus_one",))
+def check_normalized_linear_attention(normalized_linear_attention, seed: int = 0) -> None:
     """``normalized_linear_attention(q, k, v)``: phi(q_i) S / (phi(q_i) z) with phi = elu + 1, S = phi(K)^T V, z = sum phi(k_j)."""
     for i, (b, h, n, dk, dv) in enumerate(_SHAPES):
-        q, k, v = random_qkv(b, h, n, dk, dv, seed=20 + i)
+        q, k, v = random_qkv(b, h, n, dk, dv, seed=20 + i + seed)
         pq, pk = elu_plus_one(q), elu_plus_one(k)
         numerator = linear_attention_right(pq, pk, v)
         denominator = linear_attention_right(pq, pk, np.ones(v.shape[:-1] + (1,)))
@@ -115,5 +157,5 @@ def check_normalized_linear_attention(normalized_linear_attention) -> bool:
             raise ExerciseError(f"{name} matches the formula without the feature map: apply phi = elu_plus_one to q and k first")
         expect_close(name, to_numpy(got), ref, rtol=1e-9,
                      hint="the denominator of row i is phi(q_i) . sum_j phi(k_j), one number per row, broadcast over d_v")
-    return passed(f"normalized linear attention matches on {len(_SHAPES)} shapes; its rows are convex combinations of v")
+    passed(f"normalized linear attention matches on {len(_SHAPES)} shapes; its rows are convex combinations of v")
 

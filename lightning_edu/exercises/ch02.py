@@ -6,7 +6,7 @@ import numpy as np
 
 from ..checks import random_qkv, relative_error
 from ..numpy_reference import causal_linear_recurrent, linear_attention_right
-from ._core import ExerciseError, expect_close, expect_shape, passed
+from ._core import ExerciseError, exercise, expect_close, expect_count, expect_shape, passed, seeded
 
 __all__ = ["check_causal_recurrent", "check_doubling_scan", "check_cumsum_bytes"]
 
@@ -23,10 +23,11 @@ def _shifted_by_one(q, k, v, decay=1.0):
     return o
 
 
-def check_causal_recurrent(causal_recurrent) -> bool:
+@exercise("2.1", reveals=("causal_linear_recurrent",))
+def check_causal_recurrent(causal_recurrent, seed: int = 0) -> None:
     """``causal_recurrent(q, k, v)``: o_t = q_t KV_t with KV_t = KV_{t-1} + k_t^T v_t, for (batch, heads, n, d) arrays."""
     for i, (b, h, n, dk, dv) in enumerate(_SHAPES):
-        q, k, v = random_qkv(b, h, n, dk, dv, seed=30 + i)
+        q, k, v = random_qkv(b, h, n, dk, dv, seed=30 + i + seed)
         ref = causal_linear_recurrent(q, k, v)
         name = f"causal_recurrent on q {q.shape}, v {v.shape}"
         got = expect_shape(name, causal_recurrent(q, k, v), ref.shape)
@@ -43,18 +44,23 @@ def check_causal_recurrent(causal_recurrent) -> bool:
                 "(the mask keeps the diagonal). Update KV first, then read it"
             )
         expect_close(name, got, ref, rtol=1e-9, hint="KV_t = KV_{t-1} + outer(k_t, v_t), a (d_k, d_v) matrix per head; o_t = q_t KV_t")
-    return passed(f"causal_recurrent matches causal_linear_recurrent on {len(_SHAPES)} shapes, n = 1 included")
+    passed(f"causal_recurrent matches causal_linear_recurrent on {len(_SHAPES)} shapes, n = 1 included")
 
 
-def check_doubling_scan(doubling_scan) -> bool:
+@exercise("2.2", reveals=("causal_linear_cumsum",))
+def check_doubling_scan(doubling_scan, seed: int = 0) -> None:
     """``doubling_scan(q, k, v, decay)``: causal linear attention with decay by the doubling (Hillis-Steele) scan.
 
     decay is one float per head, shape (heads,). The result must equal the recurrence KV_t = lambda KV_{t-1} + k_t^T v_t.
     """
     cases = [((1, 2, 37, 5, 3), [1.0, 0.9]), ((2, 3, 7, 4, 6), [0.5, 0.05, 1.0]), ((1, 1, 1, 3, 2), [0.7]), ((1, 2, 130, 4, 4), [0.99, 0.8])]
+    if seed:  # fresh decays; a head with lambda = 1 stays in the first two cases
+        rng = seeded(seed)
+        cases = [(shape, [1.0 if (i < 2 and j == 0) else float(np.round(rng.uniform(0.05, 1.0), 3)) for j in range(len(d))])
+                 for i, (shape, d) in enumerate(cases)]
     for i, (shape, decay) in enumerate(cases):
         b, h, n, dk, dv = shape
-        q, k, v = random_qkv(b, h, n, dk, dv, seed=40 + i)
+        q, k, v = random_qkv(b, h, n, dk, dv, seed=40 + i + seed)
         lam = np.array(decay)
         ref = causal_linear_recurrent(q, k, v, lam)
         name = f"doubling_scan on q {q.shape}, decay {decay}"
@@ -75,25 +81,30 @@ def check_doubling_scan(doubling_scan) -> bool:
             )
         expect_close(name, got, ref, rtol=1e-9,
                      hint="read the shifted states BEFORE updating (copy them), or the step adds already-updated states")
-    return passed(f"doubling scan matches the recurrence on {len(cases)} shapes with per-head decay (in ceil(log2 n) steps)")
+    passed(f"doubling scan matches the recurrence on {len(cases)} shapes with per-head decay (in ceil(log2 n) steps)")
 
 
-def check_cumsum_bytes(cumsum_bytes) -> bool:
+@exercise("2.3")
+def check_cumsum_bytes(cumsum_bytes, seed: int = 0) -> None:
     """``cumsum_bytes(n, d_k, d_v, heads, bytes_per_element)``: bytes of the materialised prefix states (all n of them)."""
     cases = [(65536, 128, 128, 1, 8), (65536, 128, 128, 32, 2), (37, 5, 3, 2, 4), (4096, 64, 32, 8, 4)]
+    if seed:  # other sizes of the same kinds: one head, many heads, d_k != d_v
+        rng = seeded(seed)
+        n = [int(x) for x in rng.integers(1, 2**17, 4)]
+        d = [int(x) for x in rng.integers(2, 257, 6)]
+        cases = [(n[0], d[0], d[0], 1, 8), (n[1], d[1], d[1], int(rng.integers(2, 65)), 2),
+                 (n[2], d[2], d[3], int(rng.integers(2, 9)), 4), (n[3], d[4], d[5], int(rng.integers(2, 33)), 4)]
     for n, dk, dv, h, e in cases:
         want = n * dk * dv * h * e
-        got = cumsum_bytes(n, dk, dv, h, e)
         where = f"n = {n}, d_k = {dk}, d_v = {dv}, heads = {h}, {e} bytes per element"
-        if got is None:
-            raise ExerciseError("cumsum_bytes returned None -- did you forget `return`?")
-        if int(got) == want:
+        got = expect_count(f"cumsum_bytes for {where}", cumsum_bytes(n, dk, dv, h, e), what="a byte count")
+        if got == want:
             continue
-        if h > 1 and int(got) == want // h:
+        if h > 1 and got == want // h:
             raise ExerciseError(f"{got} bytes for {where}: every head keeps its own n prefix states; multiply by heads")
-        if e > 1 and int(got) == want // e:
+        if e > 1 and got == want // e:
             raise ExerciseError(f"{got} for {where}: that counts elements; multiply by bytes_per_element to get bytes")
-        if int(got) == n * dk * h * e or int(got) == n * dv * h * e:
+        if got == n * dk * h * e or got == n * dv * h * e:
             raise ExerciseError(f"{got} bytes for {where}: each prefix state KV_t is a d_k x d_v MATRIX, not a vector")
         raise ExerciseError(f"{got} bytes for {where}, expected {want}: n states of d_k x d_v elements per head")
-    return passed("cumsum memory right: n * d_k * d_v * heads * bytes (8 GiB for one head at n = 64K, d = 128, float64)")
+    passed("cumsum memory right: n * d_k * d_v * heads * bytes (8 GiB for one head at n = 64K, d = 128, float64)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..numpy_blockwise import block_factors, block_slices, blockwise_backward
-from ._core import ExerciseError, expect_close, expect_shape, passed
+from ._core import ExerciseError, exercise, expect_array, expect_close, expect_shape, passed
 
 __all__ = ["check_dkv_update", "check_dk_inter", "check_reverse_sweep"]
 
@@ -40,12 +40,15 @@ def _call(name, fn, *args):
         raise ExerciseError(f"{name} raised {type(exc).__name__}: {exc} (arguments of shapes {shapes})") from exc
 
 
-def _sweep(q, k, v, do, decay, block, update=None, inter=None, read_after_update=False, dv_next_do=False):
-    """The reverse sweep of Algorithm 2 with pluggable pieces: (dk, dv, dKV before the first block)."""
+def _sweep(q, k, v, do, decay, block, update=None, inter=None, read_after_update=False, dv_next_do=False,
+           forward=False):
+    """The reverse sweep of Algorithm 2 with pluggable pieces: (dk, dv, dKV before the first block).
+
+    ``forward=True`` walks the blocks in the wrong direction, first to last (a mistake, for diagnosis)."""
     dk, dv = np.empty_like(k), np.empty_like(v)
     dkv = np.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]))
     blocks = block_slices(q.shape[2], block)
-    for index in reversed(range(len(blocks))):
+    for index in (range(len(blocks)) if forward else reversed(range(len(blocks)))):
         rows = blocks[index]
         qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v[:, :, rows], do[:, :, rows]
         mask, q_scale, k_scale, block_decay = block_factors(qi.shape[2], decay)
@@ -86,44 +89,46 @@ def _update_variants(dkv, qi, doi, decay):
     }
 
 
-def check_dkv_update(dkv_update) -> bool:
+@exercise("5.1", reveals=("algorithm2", "blockwise_backward"))
+def check_dkv_update(dkv_update, seed: int = 0) -> None:
     """``dkv_update(dkv, q_block, do_block, decay)`` -> dKV before the block, given dKV after it.
 
     dkv (batch, heads, d_k, d_v); q_block (batch, heads, b, d_k); do_block (batch, heads, b, d_v);
     decay (heads,). Expected: lambda^b dKV + (diag(lambda^1 .. lambda^b) Q_i)^T dO_i.
     """
-    for seed, case in enumerate(CASES):
-        q, k, v, do, decay, block = _inputs(case, 500 + seed)
+    for index, case in enumerate(CASES):
+        q, k, v, do, decay, block = _inputs(case, 500 + index + seed)
         _, ref_dk, ref_dv, ref_state = blockwise_backward(q, k, v, do, decay, block)
         # one block first, for a precise diagnosis
         rows = block_slices(q.shape[2], block)[0]
-        dkv0 = np.random.default_rng(seed).standard_normal(ref_state.shape)
+        dkv0 = np.random.default_rng(index + seed).standard_normal(ref_state.shape)
         one = _call("dkv_update", dkv_update, dkv0.copy(), q[:, :, rows].copy(), do[:, :, rows].copy(), decay.copy())
-        expect_shape("dkv_update(...)", one, dkv0.shape)
+        one = expect_shape("dkv_update(...)", one, dkv0.shape)
         hint = "dKV_before = lambda^b dKV_after + (diag(lambda^(r+1)) Q_i)^T dO_i, r = 0..b-1"
         for text, wrong in _update_variants(dkv0, q[:, :, rows], do[:, :, rows], decay).items():
-            if _matches(np.asarray(one, dtype=np.float64), wrong):
+            if _matches(one, wrong):
                 hint = text
                 break
         # then the whole sweep, to say where the gradients go wrong
-        dk, dv, state = _sweep(q, k, v, do, decay, block, update=lambda *a: np.asarray(_call("dkv_update", dkv_update, *a), dtype=np.float64))
+        dk, dv, state = _sweep(q, k, v, do, decay, block, update=lambda *a: expect_array("dkv_update(...)", _call("dkv_update", dkv_update, *a)))
         expect_close(f"dk (n = {q.shape[2]}, block size {block}, decay {decay.tolist()})", dk, ref_dk, block_size=block, hint=hint)
         expect_close(f"dv (n = {q.shape[2]}, block size {block}, decay {decay.tolist()})", dv, ref_dv, block_size=block, hint=hint)
         expect_close("dKV before the first block (the gradient of the initial state)", state, ref_state, axis=-2, hint=hint)
-    return passed(f"dKV update right: the reverse sweep built on it gives dk, dv and d initial_state on {len(CASES)} shapes")
+    passed(f"dKV update right: the reverse sweep built on it gives dk, dv and d initial_state on {len(CASES)} shapes")
 
 
 # ---------------------------------------------------------------------------------------------- 5.2
 
 
-def check_dk_inter(dk_inter) -> bool:
+@exercise("5.2", reveals=("algorithm2", "blockwise_backward"))
+def check_dk_inter(dk_inter, seed: int = 0) -> None:
     """``dk_inter(v_block, dkv, decay)`` -> the inter-block term of dK for one block, (batch, heads, b, d_k).
 
     v_block (batch, heads, b, d_v); dkv (batch, heads, d_k, d_v), the state of the blocks after this one;
     decay (heads,). Expected: diag(lambda^(b-1-r)) V_i dKV^T (the paper's lambda^B Lambda^-1 V_i dKV^T).
     """
-    for seed, case in enumerate(CASES):
-        q, k, v, do, decay, block = _inputs(case, 700 + seed)
+    for index, case in enumerate(CASES):
+        q, k, v, do, decay, block = _inputs(case, 700 + index + seed)
         ref_dk = blockwise_backward(q, k, v, do, decay, block)[1]
         lam = decay[None, :, None, None]
         hints = {
@@ -135,29 +140,31 @@ def check_dk_inter(dk_inter) -> bool:
         }
         hint = "dK_inter = diag(lambda^(b-1-r)) V_i dKV^T, r = 0..b-1, with dKV the state of the blocks after this one"
         rows = block_slices(q.shape[2], block)[0]
-        probe_state = np.random.default_rng(seed).standard_normal(q.shape[:2] + (q.shape[-1], v.shape[-1]))
+        probe_state = np.random.default_rng(index + seed).standard_normal(q.shape[:2] + (q.shape[-1], v.shape[-1]))
         vi = v[:, :, rows]
-        one = np.asarray(_call("dk_inter", dk_inter, vi.copy(), probe_state.copy(), decay.copy()), dtype=np.float64)
-        expect_shape("dk_inter(...)", one, vi.shape[:3] + (q.shape[-1],))
+        one = expect_shape("dk_inter(...)", _call("dk_inter", dk_inter, vi.copy(), probe_state.copy(), decay.copy()),
+                           vi.shape[:3] + (q.shape[-1],))
         for text, wrong in hints.items():
             if np.any(decay != 1.0) and _matches(one, wrong(vi, probe_state, decay)):
                 hint = text
                 break
-        dk = _sweep(q, k, v, do, decay, block, inter=lambda vi, s, d: np.asarray(_call("dk_inter", dk_inter, vi, s, d), dtype=np.float64))[0]
+        dk = _sweep(q, k, v, do, decay, block, inter=lambda vi, s, d: expect_array("dk_inter(...)", _call("dk_inter", dk_inter, vi, s, d)))[0]
         expect_close(f"dk (n = {q.shape[2]}, block size {block}, decay {decay.tolist()})", dk, ref_dk, block_size=block, hint=hint)
-    return passed(f"inter term of dK right: full dK matches Algorithm 2 on {len(CASES)} shapes")
+    passed(f"inter term of dK right: full dK matches Algorithm 2 on {len(CASES)} shapes")
 
 
 # ---------------------------------------------------------------------------------------------- 5.3
 
 
-def check_reverse_sweep(reverse_sweep) -> bool:
+@exercise("5.3", reveals=("algorithm2", "blockwise_backward"),
+          allowed=("lightning_edu.numpy_blockwise.block_factors", "lightning_edu.numpy_blockwise.block_slices"))
+def check_reverse_sweep(reverse_sweep, seed: int = 0) -> None:
     """``reverse_sweep(q, k, v, do, decay, block_size)`` -> (dk, dv), Algorithm 2's second loop.
 
     q, k (batch, heads, n, d_k); v, do (batch, heads, n, d_v); decay (heads,). The last block may be short.
     """
-    for seed, case in enumerate(CASES):
-        q, k, v, do, decay, block = _inputs(case, 900 + seed)
+    for index, case in enumerate(CASES):
+        q, k, v, do, decay, block = _inputs(case, 900 + index + seed)
         ref_dk, ref_dv = blockwise_backward(q, k, v, do, decay, block)[1:3]
         got = _call("reverse_sweep", reverse_sweep, q.copy(), k.copy(), v.copy(), do.copy(), decay.copy(), block)
         if not isinstance(got, tuple) or len(got) != 2:
@@ -187,4 +194,4 @@ def check_reverse_sweep(reverse_sweep) -> bool:
         )
         expect_close(f"dk {where}", dk, ref_dk, block_size=block, hint=hint)
         expect_close(f"dv {where}", dv, ref_dv, block_size=block, hint=hint)
-    return passed(f"reverse sweep right: dk and dv match Algorithm 2 on {len(CASES)} shapes, partial last blocks included")
+    passed(f"reverse sweep right: dk and dv match Algorithm 2 on {len(CASES)} shapes, partial last blocks included")

@@ -13,7 +13,7 @@ import torch
 
 from .. import torch_chunked as tc
 from ..checks import relative_error, to_numpy
-from ._core import ExerciseError, expect_close, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, exercise, expect_close, expect_shape, passed, wrong_rows
 
 __all__ = ["check_inter_block_outputs", "check_state_scan", "check_inter_block_dq"]
 
@@ -28,9 +28,9 @@ def _randn(gen, *shape):
     return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
 
-def _case(i):
+def _case(i, seed=0):
     (batch, heads, n_blocks, block, d_k, d_v), decay = _CASES[i]
-    gen = torch.Generator().manual_seed(600 + i)
+    gen = torch.Generator().manual_seed(600 + i + seed)
     lam = torch.tensor(decay, dtype=torch.float64)
     return gen, lam, batch, heads, n_blocks, block, d_k, d_v
 
@@ -52,14 +52,15 @@ def _powers(lam, exponents):
     return lam[:, None, None] ** torch.as_tensor(exponents, dtype=torch.float64)[None, :, None]  # (heads, B, 1)
 
 
-def check_inter_block_outputs(inter_outputs) -> bool:
+@exercise("6.1", reveals=("inter_block_outputs",))
+def check_inter_block_outputs(inter_outputs, seed: int = 0) -> None:
     """``inter_outputs(qb, states, lam)`` -> O_inter of every block: diag(lambda^(r+1)) Q_i S_i, batched.
 
     qb: (batch, heads, n_blocks, B, d_k); states: (batch, heads, n_blocks, d_k, d_v), the state entering
     each block; lam: (heads,). Returns (batch, heads, n_blocks, B, d_v).
     """
     for i in range(len(_CASES)):
-        gen, lam, batch, heads, n_blocks, block, d_k, d_v = _case(i)
+        gen, lam, batch, heads, n_blocks, block, d_k, d_v = _case(i, seed)
         qb = _randn(gen, batch, heads, n_blocks, block, d_k)
         states = _randn(gen, batch, heads, n_blocks, d_k, d_v)
         _, q_scale, _, _ = tc.block_factors(block, lam)
@@ -87,10 +88,11 @@ def check_inter_block_outputs(inter_outputs) -> bool:
             name, got.reshape(batch, heads, -1, d_v), ref_np.reshape(batch, heads, -1, d_v), rtol=1e-10, block_size=block,
             hint=f"first wrong in block {block_id}. O_inter of block i is (lambda^(r+1) * Q_i) @ states[:, :, i], one batched matmul over all blocks",
         )
-    return passed(f"inter-block outputs match on {len(_CASES)} shapes (one lambda per head, 1 and 0.05 included)")
+    passed(f"inter-block outputs match on {len(_CASES)} shapes (one lambda per head, 1 and 0.05 included)")
 
 
-def check_state_scan(state_scan) -> bool:
+@exercise("6.2", reveals=("scan_states",))
+def check_state_scan(state_scan, seed: int = 0) -> None:
     """``state_scan(local, block_decay, initial)`` -> the states between blocks.
 
     local: (batch, heads, n_blocks, d_k, d_v), the L_i; block_decay: (heads, n_blocks), lambda^(b_i);
@@ -98,7 +100,7 @@ def check_state_scan(state_scan) -> bool:
     S_(i+1) = lambda^(b_i) S_i + L_i.
     """
     for i in range(len(_CASES)):
-        gen, lam, batch, heads, n_blocks, block, d_k, d_v = _case(i)
+        gen, lam, batch, heads, n_blocks, block, d_k, d_v = _case(i, seed)
         local = _randn(gen, batch, heads, n_blocks, d_k, d_v)
         # every block full except a short last one (3 rows), as chunk_factors gives it
         lengths = torch.full((n_blocks,), block, dtype=torch.float64)
@@ -109,7 +111,7 @@ def check_state_scan(state_scan) -> bool:
         name = f"state_scan on local {tuple(local.shape)}, decay {lam.tolist()}"
         shapes = "local (batch, heads, n_blocks, d_k, d_v), block_decay (heads, n_blocks), initial (batch, heads, d_k, d_v)"
         got_raw = _call(name, state_scan, local, block_decay, initial, shapes=shapes)
-        if got_raw is not None and tuple(got_raw.shape) == (batch, heads, n_blocks, d_k, d_v):
+        if tuple(getattr(got_raw, "shape", ())) == (batch, heads, n_blocks, d_k, d_v):
             raise ExerciseError(
                 f"{name} returned {n_blocks} states, expected {n_blocks + 1}: include S_0 = initial first, so that entry i is "
                 "the state entering block i and the last entry the final state"
@@ -118,6 +120,10 @@ def check_state_scan(state_scan) -> bool:
         ref_np = to_numpy(ref)
         if relative_error(got, ref_np) <= 1e-10:
             continue
+        if not np.isfinite(got).all():
+            bad = int(np.flatnonzero(~np.isfinite(np.moveaxis(got, 2, 0)).reshape(n_blocks + 1, -1).all(axis=1))[0])
+            raise ExerciseError(f"{name}: state {bad} (the one entering block {bad}) holds NaN or inf; with finite "
+                                "inputs every state is finite: S_(i+1) = block_decay[:, i] * S_i + local[:, :, i]")
         if relative_error(got[:, :, 0], to_numpy(initial)) > 1e-12:
             raise ExerciseError(f"{name}: entry 0 must be the initial state itself (the state entering block 0)")
         a = block_decay[:, :, None, None]
@@ -143,17 +149,18 @@ def check_state_scan(state_scan) -> bool:
             f"{float(np.max(np.abs(got - ref_np))):.2g}. Check S_(i+1) = block_decay[:, i] * S_i + local[:, :, i], with "
             "block_decay broadcast as [:, i, None, None]"
         )
-    return passed(f"state scan matches on {len(_CASES)} shapes, a short last block and one lambda per head included")
+    passed(f"state scan matches on {len(_CASES)} shapes, a short last block and one lambda per head included")
 
 
-def check_inter_block_dq(inter_dq) -> bool:
+@exercise("6.3", reveals=("_backward",))
+def check_inter_block_dq(inter_dq, seed: int = 0) -> None:
     """``inter_dq(dob, states, lam)`` -> the inter-block part of dQ for every block: diag(lambda^(r+1)) dO_i S_i^T.
 
     dob: (batch, heads, n_blocks, B, d_v); states: (batch, heads, n_blocks, d_k, d_v), the state entering
     each block; lam: (heads,). Returns (batch, heads, n_blocks, B, d_k).
     """
     for i in range(len(_CASES)):
-        gen, lam, batch, heads, n_blocks, block, d_k, d_v = _case(i)
+        gen, lam, batch, heads, n_blocks, block, d_k, d_v = _case(i, seed)
         dob = _randn(gen, batch, heads, n_blocks, block, d_v)
         states = _randn(gen, batch, heads, n_blocks, d_k, d_v)
         q_scale = _powers(lam, np.arange(block) + 1)[:, None]
@@ -172,4 +179,4 @@ def check_inter_block_dq(inter_dq) -> bool:
             name, got.reshape(batch, heads, -1, d_k), to_numpy(ref).reshape(batch, heads, -1, d_k), rtol=1e-10, block_size=block,
             hint="dQ_inter of block i is lambda^(r+1) * (dO_i @ S_i^T), one batched matmul over all blocks",
         )
-    return passed(f"inter-block dQ matches on {len(_CASES)} shapes (one lambda per head)")
+    passed(f"inter-block dQ matches on {len(_CASES)} shapes (one lambda per head)")

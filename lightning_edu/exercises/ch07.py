@@ -18,7 +18,7 @@ import numpy as np
 from ..checks import random_qkv
 from ..numpy_blockwise import blockwise_forward
 from ..numpy_reference import decay_mask
-from ._core import ExerciseError, expect_close, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, exercise, expect_close, expect_shape, passed, seeded, wrong_rows
 
 __all__ = ["check_decay_tile", "check_inter_block_kernel", "tolerance"]
 
@@ -35,13 +35,20 @@ def tolerance() -> float:
 
 
 def _launch_error(what: str, exc: Exception) -> ExerciseError:
+    chain, seen = exc, 0
+    while chain is not None and seen < 8:  # the interpreter may wrap the kernel's own exception
+        if isinstance(chain, NotImplementedError) or "NotImplementedError" in str(chain):
+            return ExerciseError(f"{what} is not implemented yet: it raised NotImplementedError. Write your code in "
+                                 "place of `raise NotImplementedError()`")
+        chain, seen = chain.__cause__ or chain.__context__, seen + 1
     return ExerciseError(
         f"{what} failed to run: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}. "
         "Check the kernel's signature against the exercise statement, and that every tl.dot side is >= 16"
     )
 
 
-def check_decay_tile(decay_tile_kernel) -> bool:
+@exercise("7.1", reveals=("_decay_tile",), kernel=True)
+def check_decay_tile(decay_tile_kernel, seed: int = 0) -> None:
     """``decay_tile_kernel[(1,)](out, log2_lambda, row_start, col_start, n, BLOCK=16)`` must write the tile
     D[r, s] = lambda^((row_start + r) - (col_start + s)) for row >= col, both < n, else 0, into the
     contiguous (BLOCK, BLOCK) float32 tensor ``out``."""
@@ -49,7 +56,12 @@ def check_decay_tile(decay_tile_kernel) -> bool:
 
     block = 16
     n = 45  # three tiles, the last one partial (rows 32..44 valid)
-    for lam in (0.9, 0.05, 1.0):
+    lams = (0.9, 0.05, 1.0)
+    if seed:
+        rng = seeded(seed)
+        n = int(rng.integers(33, 48))
+        lams = (float(np.round(rng.uniform(0.5, 0.99), 3)), float(np.round(rng.uniform(0.01, 0.1), 3)), 1.0)
+    for lam in lams:
         full = decay_mask(n, lam)
         padded = np.zeros((48, 48))
         padded[:n, :n] = full
@@ -84,8 +96,8 @@ def check_decay_tile(decay_tile_kernel) -> bool:
                 hint="D[r, s] = lambda^((row_start + r) - (col_start + s)) = exp2(log2_lambda * distance): "
                      "distance counts from the key to the query, in absolute positions",
             )
-    return passed("decay_tile_kernel writes M's tiles on and below the diagonal, zeros above it and past n, "
-                  "for lambda = 0.9, 0.05 and 1")
+    which = "two fresh lambdas (one below 0.1) and 1" if seed else "lambda = 0.9, 0.05 and 1"
+    passed(f"decay_tile_kernel writes M's tiles on and below the diagonal, zeros above it and past n, for {which}")
 
 
 _FORWARD_SHAPES = [  # (batch, heads, n, d_k, d_v, decays): odd n so the last block is partial
@@ -95,7 +107,8 @@ _FORWARD_SHAPES = [  # (batch, heads, n, d_k, d_v, decays): odd n so the last bl
 ]
 
 
-def check_inter_block_kernel(forward_kernel, block: int = 16) -> bool:
+@exercise("7.2", reveals=("la2_literal_forward_kernel",), kernel=True)
+def check_inter_block_kernel(forward_kernel, block: int = 16, seed: int = 0) -> None:
     """``forward_kernel[(batch * heads,)](Q, K, V, O, KV_OUT, LOG2_DECAY, n, H, D_K=, D_V=, BLOCK=16)`` must
     compute Algorithm 1 for contiguous fp32 (batch, heads, n, d) tensors: O (batch, heads, n, d_v) and the
     final state KV_OUT (batch, heads, d_k, d_v); LOG2_DECAY holds log2(lambda) per head."""
@@ -104,7 +117,7 @@ def check_inter_block_kernel(forward_kernel, block: int = 16) -> bool:
     dev = _device()
     rtol = tolerance()
     for i, (batch, heads, n, d_k, d_v, decay) in enumerate(_FORWARD_SHAPES):
-        q, k, v = random_qkv(batch, heads, n, d_k, d_v, seed=70 + i)
+        q, k, v = random_qkv(batch, heads, n, d_k, d_v, seed=70 + i + seed)
         o_ref, kv_ref = blockwise_forward(q, k, v, decay, block_size=block)
         t = [torch.tensor(x, dtype=torch.float32, device=dev) for x in (q, k, v)]
         o = torch.full((batch, heads, n, d_v), float("nan"), dtype=torch.float32, device=dev)
@@ -139,5 +152,5 @@ def check_inter_block_kernel(forward_kernel, block: int = 16) -> bool:
                 f"valid rows of {block}: decay the state by lambda^b and scale k by lambda^(b-1-r) with that b, with "
                 "k_scale = 0 on padded rows, and store KV after the last update"
             )
-    return passed(f"forward_kernel matches Algorithm 1 (numpy, float64) on {len(_FORWARD_SHAPES)} shapes with "
+    passed(f"forward_kernel matches Algorithm 1 (numpy, float64) on {len(_FORWARD_SHAPES)} shapes with "
                   "partial last blocks and per-head decay: O and the final state")

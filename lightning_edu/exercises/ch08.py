@@ -12,7 +12,8 @@ import numpy as np
 
 from ..checks import random_qkv
 from ..numpy_blockwise import blockwise_backward
-from ._core import ExerciseError, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, exercise, expect_shape, passed, wrong_rows
+from .ch05 import _sweep
 from .ch07 import _device, _launch_error, tolerance
 
 __all__ = ["check_reverse_sweep_kernel", "check_la1_dq_kernel"]
@@ -30,7 +31,28 @@ def _first_wrong_block_from_the_end(got: np.ndarray, ref: np.ndarray, block: int
     return None if rows.size == 0 else int(rows[-1]) // block
 
 
-def check_reverse_sweep_kernel(reverse_kernel, block: int = 16) -> bool:
+def _known_sweep_mistake(got, inputs, decay, block, rtol) -> str | None:
+    """The message for a reverse sweep that matches a classic mistake (in float64 numpy), else None."""
+    q, k, v, do = inputs
+    lam = np.asarray(decay, dtype=np.float64)
+    variants = (
+        (dict(forward=True), "the sweep walks the blocks from the first to the last. dK_i and dV_i need the queries "
+         "AFTER block i, so the reverse sweep starts at the last block, start = (num_blocks - 1 - i) * BLOCK, and "
+         "carries dKV towards the first"),
+        (dict(read_after_update=True), "use dKV before you update it: you added this block's own Q_i^T dO_i to dKV "
+         "before reading it, so the pairs inside the block are counted twice (and the acausal ones too): compute the "
+         "inter terms of dK_i and dV_i first, then update dKV"),
+    )
+    for options, message in variants:
+        dk, dv, dkv0 = _sweep(q, k, v, do, lam, block, **options)
+        same = all(not wrong_rows(got[name], ref, rtol=rtol, axis=2).size for name, ref in (("dk", dk), ("dv", dv)))
+        if same:
+            return message
+    return None
+
+
+@exercise("8.1", reveals=("la2_literal_dkdv_kernel",), kernel=True)
+def check_reverse_sweep_kernel(reverse_kernel, block: int = 16, seed: int = 0) -> None:
     """``reverse_kernel[(batch * heads,)](Q, K, V, DO, DK, DV, DKV_OUT, LOG2_DECAY, n, H, D_K=, D_V=, BLOCK=16)``
     must compute dK, dV of Algorithm 2's reverse sweep for contiguous fp32 (batch, heads, n, d) tensors and
     store the final dKV (the gradient of the initial state, (batch, heads, d_k, d_v)) into DKV_OUT."""
@@ -39,8 +61,8 @@ def check_reverse_sweep_kernel(reverse_kernel, block: int = 16) -> bool:
     dev = _device()
     rtol = tolerance()
     for i, (batch, heads, n, d_k, d_v, decay) in enumerate(_SHAPES):
-        q, k, v = random_qkv(batch, heads, n, d_k, d_v, seed=80 + i)
-        do = np.random.default_rng(90 + i).standard_normal(v.shape)
+        q, k, v = random_qkv(batch, heads, n, d_k, d_v, seed=80 + i + seed)
+        do = np.random.default_rng(90 + i + seed).standard_normal(v.shape)
         _, dk_ref, dv_ref, dkv_ref = blockwise_backward(q, k, v, do, decay, block_size=block)
         t = [torch.tensor(x, dtype=torch.float32, device=dev) for x in (q, k, v, do)]
         dk = torch.full((batch, heads, n, d_k), float("nan"), dtype=torch.float32, device=dev)
@@ -61,9 +83,15 @@ def check_reverse_sweep_kernel(reverse_kernel, block: int = 16) -> bool:
                 continue
             rows = f"rows {blk * block}-{min(n, blk * block + block) - 1}"
             other = "v" if name == "dk" else "k"
-            if blk == last:
-                hint = ("the reverse sweep starts here with dKV = 0 (no token comes after the last block), so only the "
-                        "intra part (given) may contribute: use dKV before you update it with this block's Q_i and dO_i")
+            mistake = _known_sweep_mistake(got, (q, k, v, do), decay, block, rtol)
+            if mistake:
+                hint = mistake
+            elif not np.isfinite(got[name]).all():
+                hint = ("it holds NaN or inf: every row of the block must be stored, and every decay factor is lambda "
+                        "to a non-negative power (clamp the exponent at 0 on padded rows)")
+            elif blk == last:
+                hint = ("the sweep visits this block first, with dKV = 0 (no token comes after the last block), so only "
+                        "the intra part (given) may contribute to it: start the sweep at the last block with dKV = 0")
             elif not state_ok:
                 hint = ("did you use the reverse-sweep state? After each block, dKV = lambda^b dKV + "
                         "(diag(lambda^(r+1)) Q_i)^T dO_i, with b the block's valid rows (the gradient of the initial "
@@ -79,7 +107,7 @@ def check_reverse_sweep_kernel(reverse_kernel, block: int = 16) -> bool:
                 f"dk and dv are right but DKV_OUT differs for {case}: store dKV after the update of block 0 "
                 "(it is dL/dKV_0, the gradient of the initial state)"
             )
-    return passed(f"reverse_kernel matches Algorithm 2 (numpy, float64) on {len(_SHAPES)} shapes: dK, dV and dKV_0, "
+    passed(f"reverse_kernel matches Algorithm 2 (numpy, float64) on {len(_SHAPES)} shapes: dK, dV and dKV_0, "
                   "partial last blocks, per-head decay")
 
 
@@ -89,7 +117,8 @@ _LA1_SHAPES = [  # (batch, heads, n, d_k, d_v, decays)
 ]
 
 
-def check_la1_dq_kernel(dq_kernel, block: int = 16) -> bool:
+@exercise("8.2", reveals=("la1_backward_dq_kernel",), kernel=True)
+def check_la1_dq_kernel(dq_kernel, block: int = 16, seed: int = 0) -> None:
     """``dq_kernel[(cdiv(n, 16), batch * heads)](K, V, DO, DQ, LOG2_DECAY, n, H, D_K=, D_V=, BLOCK=16)`` must
     compute LA-1's dQ_i = sum over key blocks j <= i of [(dO_i V_j^T) * D_ij] K_j for contiguous fp32
     (batch, heads, n, d) tensors, one program per (query block, batch * head)."""
@@ -98,8 +127,8 @@ def check_la1_dq_kernel(dq_kernel, block: int = 16) -> bool:
     dev = _device()
     rtol = tolerance()
     for i, (batch, heads, n, d_k, d_v, decay) in enumerate(_LA1_SHAPES):
-        q, k, v = random_qkv(batch, heads, n, d_k, d_v, seed=60 + i)
-        do = np.random.default_rng(65 + i).standard_normal(v.shape)
+        q, k, v = random_qkv(batch, heads, n, d_k, d_v, seed=60 + i + seed)
+        do = np.random.default_rng(65 + i + seed).standard_normal(v.shape)
         dq_ref = blockwise_backward(q, k, v, do, decay, block_size=block)[0]
         t = [torch.tensor(x, dtype=torch.float32, device=dev) for x in (k, v, do)]
         dq = torch.full((batch, heads, n, d_k), float("nan"), dtype=torch.float32, device=dev)
@@ -126,5 +155,5 @@ def check_la1_dq_kernel(dq_kernel, block: int = 16) -> bool:
                     "D_ij[r, s] = lambda^((i B + r) - (j B + s)) counts the distance in absolute positions, and the "
                     "loop runs over every key block j = 0 .. i")
         raise ExerciseError(f"{where}: {hint}")
-    return passed(f"dq_kernel matches LA-1's dQ (numpy Algorithm 2, float64) on {len(_LA1_SHAPES)} shapes with partial "
+    passed(f"dq_kernel matches LA-1's dQ (numpy Algorithm 2, float64) on {len(_LA1_SHAPES)} shapes with partial "
                   "last blocks and per-head decay")

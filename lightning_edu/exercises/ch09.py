@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..numpy_la3 import intra_dq, intra_dv
-from ._core import ExerciseError, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, exercise, expect_shape, passed, wrong_rows
 
 __all__ = ["check_dv_phase", "check_dq_phase"]
 
@@ -24,8 +24,8 @@ _CASES = [  # (C rows of the chunk, d_k, d_v, lambda, micro-chunk size c)
 _RTOL = 1e-9
 
 
-def _inputs(case: int, rows: int, d_k: int, d_v: int):
-    rng = np.random.default_rng(900 + case)
+def _inputs(case: int, rows: int, d_k: int, d_v: int, seed: int = 0):
+    rng = np.random.default_rng(900 + case + seed)
     q, k = rng.standard_normal((2, rows, d_k))
     v, do = rng.standard_normal((2, rows, d_v))
     return q, k, v, do
@@ -92,9 +92,9 @@ def _where(got, ref, micro: int) -> str:
             f"{ref.shape[0]} rows differ, max |difference| {diff:.2g}")
 
 
-def _check(fn, name: str, reference, dense, make_args, per_j=None) -> bool:
+def _check(fn, name: str, reference, dense, make_args, per_j=None, seed: int = 0) -> bool:
     for case, (rows, d_k, d_v, lam, micro) in enumerate(_CASES):
-        q, k, v, do = _inputs(case, rows, d_k, d_v)
+        q, k, v, do = _inputs(case, rows, d_k, d_v, seed)
         args, ref, width = make_args(q, k, v, do, lam, micro)
         got = _call(fn, name, args, (rows, width))
         where = f"for a chunk of {rows} rows, d_k = {d_k}, d_v = {d_v}, lambda = {lam}, micro = {micro}"
@@ -122,7 +122,8 @@ def _check(fn, name: str, reference, dense, make_args, per_j=None) -> bool:
     return True
 
 
-def check_dv_phase(dv_phase) -> bool:
+@exercise("9.1", reveals=("intra_dv", "_intra_key_side"), allowed=("lightning_edu.numpy_la3.tile_decay",))
+def check_dv_phase(dv_phase, seed: int = 0) -> None:
     """``dv_phase(q, k, do, lam, micro)`` must return the intra-chunk dV of one chunk of one head, (C, d_v):
     dV_j = sum_{i >= j} [(Q_i K_j^T) * L_ij]^T dO_i (``numpy_la3.intra_dv``)."""
 
@@ -132,11 +133,12 @@ def check_dv_phase(dv_phase) -> bool:
     def dense(q, k, v, do, lam, micro, diagonal):
         return ((q @ k.T) * _dense_decay(q.shape[0], lam, micro, diagonal)).T @ do
 
-    _check(dv_phase, "dv_phase", intra_dv, dense, make_args)
-    return passed("the dV phase matches numpy_la3.intra_dv on every chunk, partial last micro-chunks included")
+    _check(dv_phase, "dv_phase", intra_dv, dense, make_args, seed=seed)
+    passed("the dV phase matches numpy_la3.intra_dv on every chunk, partial last micro-chunks included")
 
 
-def check_dq_phase(dq_phase) -> bool:
+@exercise("9.2", reveals=("intra_dq", "_intra_query_side"), allowed=("lightning_edu.numpy_la3.tile_decay",))
+def check_dq_phase(dq_phase, seed: int = 0) -> None:
     """``dq_phase(do, v, k, lam, micro)`` must return the intra-chunk dQ of one chunk of one head, (C, d_k):
     dQ_i = sum_{j <= i} [(dO_i V_j^T) * L_ij] K_j (``numpy_la3.intra_dq``)."""
 
@@ -149,5 +151,5 @@ def check_dq_phase(dq_phase) -> bool:
     def per_j(q, k, v, do, lam, micro):
         return _dq_per_j(do, v, k, lam, micro)
 
-    _check(dq_phase, "dq_phase", intra_dq, dense, make_args, per_j)
-    return passed("the dQ phase matches numpy_la3.intra_dq on every chunk, partial last micro-chunks included")
+    _check(dq_phase, "dq_phase", intra_dq, dense, make_args, per_j, seed=seed)
+    passed("the dQ phase matches numpy_la3.intra_dq on every chunk, partial last micro-chunks included")

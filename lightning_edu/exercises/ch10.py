@@ -23,7 +23,7 @@ import numpy as np
 from ..api import lightning_attention, lightning_attention_step
 from ..numpy_reference import causal_linear_recurrent
 from ..validation import validate_cu_seqlens, validate_decay, validate_positive_int
-from ._core import ExerciseError, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, exercise, expect_shape, passed, wrong_rows
 
 __all__ = [
     "check_step",
@@ -160,14 +160,15 @@ def _step_mistake(q, k, v, state, lam, o, new_state, ref_o, ref_state, where: st
             f"{_max_diff(o, ref_o):.2g}. The output is o = q @ new_state, a vector of d_v entries")
 
 
-def check_step(step) -> bool:
+@exercise("10.1", reveals=("step_from_args",))
+def check_step(step, seed: int = 0) -> None:
     """``step(q, k, v, state, lam) -> (o, new_state)``: one decoding step of one head, for one token.
 
     q, k: (d_k,); v: (d_v,); state: (d_k, d_v); lam: a float in (0, 1]. ``new_state = lam state + k^T v``
     (``np.outer(k, v)``) and ``o = q new_state``, a (d_v,) vector; the given state must not change.
     """
     for case, (d_k, d_v, lam, zero) in enumerate(_STEP_CASES):
-        rng = np.random.default_rng(1000 + case)
+        rng = np.random.default_rng(1000 + case + seed)
         q, k = rng.standard_normal((2, d_k))
         v = rng.standard_normal(d_v)
         state = np.zeros((d_k, d_v)) if zero else rng.standard_normal((d_k, d_v))
@@ -180,8 +181,8 @@ def check_step(step) -> bool:
 
     # Many steps: a prompt-free generation of 37 tokens from a random initial state equals one call over them.
     n, d_k, d_v, lam = 37, 5, 3, 0.9
-    q, k, v = _qkv(1010, n, d_k, d_v)
-    state0 = np.random.default_rng(1011).standard_normal((d_k, d_v))
+    q, k, v = _qkv(1010 + seed, n, d_k, d_v)
+    state0 = np.random.default_rng(1011 + seed).standard_normal((d_k, d_v))
     ref_o, ref_state = lightning_attention(q[None, None], k[None, None], v[None, None], lam, backend="numpy",
                                            initial_state=state0[None, None], return_state=True)
     ref_o, ref_state = ref_o[0, 0], ref_state[0, 0]
@@ -200,7 +201,7 @@ def check_step(step) -> bool:
     if not _same(state, ref_state, _STEP_RTOL):
         raise ExerciseError(f"after {n} steps the state differs from lightning_attention's final state (max "
                             f"|difference| {_max_diff(state, ref_state):.2g}) although every output is right")
-    return passed(f"step matches lightning_attention_step on {len(_STEP_CASES)} tokens (lam = 1, 0.9, 1e-3, a zero "
+    passed(f"step matches lightning_attention_step on {len(_STEP_CASES)} tokens (lam = 1, 0.9, 1e-3, a zero "
                   f"state) and {n} steps equal one lightning_attention call, final state included")
 
 
@@ -273,7 +274,9 @@ def _inner(bounds, total: int) -> list[int]:
     return sorted({b for b in bounds if 0 < b < total})
 
 
-def check_exposes_suspect(make_input) -> bool:
+@exercise("10.2", allowed=("lightning_edu.exercises.ch10.suspect_packed_forward",
+                           "lightning_edu.exercises.ch10.reference_packed_forward"))
+def check_exposes_suspect(make_input) -> None:
     """``make_input() -> (q, k, v, lam, cu_seqlens)``: an input on which :func:`suspect_packed_forward` (its
     default block of 16) differs from :func:`reference_packed_forward`.
 
@@ -326,8 +329,9 @@ def check_exposes_suspect(make_input) -> bool:
         b0 = t - t % block
         crossed = [b for b in inner if b0 < b < b0 + block] or [b for b in inner if b % block]
         why = f"; boundary {crossed[0]} falls inside the block of rows {b0}-{b0 + block - 1}" if crossed else ""
-        return passed(f"the suspect is wrong on your input: {_token(bounds, t)} is its first wrong output "
-                      f"({rows.size} of {total} wrong, max |difference| {_max_diff(sus, ref):.2g}){why}")
+        passed(f"the suspect is wrong on your input: {_token(bounds, t)} is its first wrong output "
+               f"({rows.size} of {total} wrong, max |difference| {_max_diff(sus, ref):.2g}){why}")
+        return
     shown = ", ".join(str(b) for b in sorted(set(bounds)))
     if not inner:
         raise ExerciseError(f"the suspect is right on this input: cu_seqlens {list(bounds)} holds one sequence with "
@@ -346,13 +350,13 @@ def check_exposes_suspect(make_input) -> bool:
 # 3. The reader's packed forward
 
 
-def _packed_mistake(packed_forward, q, k, v, lam, bounds, got) -> str:
+def _packed_mistake(packed_forward, q, k, v, lam, bounds, got, seed: int = 0) -> str:
     """A hint for a wrong packed forward: the suspect's bug, or a state that runs across boundaries."""
     whole = causal_linear_recurrent(q[None, None], k[None, None], v[None, None], lam)[0, 0]
     if _same(got, whole):
         # Never reset, or reset only at boundaries that start a block? Ask on boundaries that start every block.
         n = 64
-        aq, ak, av = _qkv(1099, n, q.shape[1], v.shape[1])
+        aq, ak, av = _qkv(1099 + seed, n, q.shape[1], v.shape[1])
         aligned = [0, 32, n]
         try:
             probe = _as_array("o", _call(packed_forward, "packed_forward", (aq, ak, av, lam, list(aligned))),
@@ -383,7 +387,7 @@ def _packed_mistake(packed_forward, q, k, v, lam, bounds, got) -> str:
             "decay lam^(t - s) counted inside the sequence")
 
 
-def _packed_compare(packed_forward, q, k, v, lam, bounds, where: str) -> None:
+def _packed_compare(packed_forward, q, k, v, lam, bounds, where: str, seed: int = 0) -> None:
     total, d_v = v.shape
     got = _as_array(f"o (the output of packed_forward, {where})",
                     _call(packed_forward, "packed_forward", (q.copy(), k.copy(), v.copy(), lam, list(bounds)), where),
@@ -399,32 +403,36 @@ def _packed_compare(packed_forward, q, k, v, lam, bounds, where: str) -> None:
                             "every output is finite")
     raise ExerciseError(f"packed_forward differs {where} first at {_token(bounds, t)}: {rows.size} of {total} outputs "
                         f"wrong, max |difference| {_max_diff(got, ref):.2g}. Hint: "
-                        + _packed_mistake(packed_forward, q, k, v, lam, bounds, got))
+                        + _packed_mistake(packed_forward, q, k, v, lam, bounds, got, seed))
 
 
-def check_packed_forward(packed_forward) -> bool:
+@exercise("10.3", reveals=("packed_forward",),
+          allowed=("lightning_edu.api.lightning_attention", "lightning_edu.numpy_reference.masked_product",
+                   "lightning_edu.exercises.ch10.suspect_packed_forward"),
+          strict=("lightning_edu.packed.packed_forward", "lightning_edu.exercises.ch10.reference_packed_forward"))
+def check_packed_forward(packed_forward, seed: int = 0) -> None:
     """``packed_forward(q, k, v, lam, cu_seqlens) -> o``: causal linear attention with decay over a packed batch of
     one head, every sequence from a zero state (:func:`reference_packed_forward`).
 
     q, k: (total, d_k); v: (total, d_v); cu_seqlens: a list of num_seqs + 1 ints; o: (total, d_v).
     """
     for case, (bounds, d_k, d_v, lam) in enumerate(_PACKED_CASES):
-        q, k, v = _qkv(1020 + case, bounds[-1], d_k, d_v)
+        q, k, v = _qkv(1020 + case + seed, bounds[-1], d_k, d_v)
         _packed_compare(packed_forward, q, k, v, lam, bounds, f"for cu_seqlens {bounds}, d_k = {d_k}, d_v = {d_v}, "
-                                                              f"lam = {lam}")
+                                                              f"lam = {lam}", seed)
 
     # One boundary at every position of a short packed batch.
     n, d_k, d_v, lam = _SWEEP_N, 5, 3, 0.9
-    q, k, v = _qkv(1040, n, d_k, d_v)
+    q, k, v = _qkv(1040 + seed, n, d_k, d_v)
     for p in range(1, n):
         try:
-            _packed_compare(packed_forward, q, k, v, lam, [0, p, n], f"for cu_seqlens [0, {p}, {n}]")
+            _packed_compare(packed_forward, q, k, v, lam, [0, p, n], f"for cu_seqlens [0, {p}, {n}]", seed)
         except ExerciseError as exc:
             raise ExerciseError(f"packed_forward is wrong when the one boundary sits at position {p}: {exc}") from exc
 
     # Isolation: a NaN in the values of sequence 1 stays there.
     bounds, d_k, d_v, lam, nan_at = [0, 6, 9, 20], 5, 3, 0.9, 7
-    q, k, v = _qkv(1050, bounds[-1], d_k, d_v)
+    q, k, v = _qkv(1050 + seed, bounds[-1], d_k, d_v)
     v[nan_at, 1] = np.nan
     got = _as_array("o (the output of packed_forward, with a NaN in v)",
                     _call(packed_forward, "packed_forward", (q.copy(), k.copy(), v.copy(), lam, list(bounds))),
@@ -451,6 +459,6 @@ def check_packed_forward(packed_forward) -> bool:
         raise ExerciseError(f"with a NaN in v at token {nan_at} (sequence {nan_seq}), packed_forward differs at "
                             f"{_token(bounds, t)}, which must not depend on it: max |difference| "
                             f"{_max_diff(got[rows], ref[rows]):.2g}")
-    return passed(f"packed_forward matches one call per sequence on {len(_PACKED_CASES)} packed batches (empty and "
+    passed(f"packed_forward matches one call per sequence on {len(_PACKED_CASES)} packed batches (empty and "
                   f"length-1 sequences included), with a boundary at every position 1..{n - 1} of {n} tokens, and a "
                   "NaN stays in its own sequence")

@@ -16,7 +16,7 @@ import numpy as np
 from ..api import normalized_attention
 from ..feature_maps import attention_weights
 from ..numpy_reference import elu_plus_one
-from ._core import ExerciseError, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, exercise, expect_shape, passed, wrong_rows
 
 __all__ = ["check_normalized_via_ones", "check_hybrid_weights"]
 
@@ -85,11 +85,13 @@ def _normalized(phi_q, phi_k, v, lam, eps, *, z: str = "right", use_eps: bool = 
         return num / (den + (eps if use_eps else 0.0))[:, None]
 
 
-def check_normalized_via_ones(normalized_via_ones) -> bool:
+@exercise("11.1", reveals=("normalized_attention", "append_ones", "divide_by_normaliser"),
+          allowed=("lightning_edu.api.lightning_attention",))
+def check_normalized_via_ones(normalized_via_ones, seed: int = 0) -> None:
     """Check ``normalized_via_ones(phi_q, phi_k, v, lam, eps)``: phi_q, phi_k (n, d') positive features, v (n, d_v),
     lam a float in (0, 1], eps >= 0; returns o (n, d_v) = phi(q_t) S_t / (phi(q_t) . z_t + eps)."""
     for case, (n, d_f, d_v, lam, eps) in enumerate(_ONES_CASES):
-        rng = np.random.default_rng(1100 + case)
+        rng = np.random.default_rng(1100 + case + seed)
         phi_q, phi_k = elu_plus_one(rng.standard_normal((2, n, d_f)))
         v = rng.standard_normal((n, d_v))
         ref = normalized_attention(phi_q[None, None], phi_k[None, None], v[None, None], lam, feature_map="identity",
@@ -116,7 +118,7 @@ def check_normalized_via_ones(normalized_via_ones) -> bool:
         raise ExerciseError(f"normalized_via_ones differs {where}: {_first_wrong(got, ref)}. Hint: run linear attention "
                             "on [v | 1] (v with a column of ones appended); its last output column is phi(q_t) . z_t, "
                             "divide the first d_v columns by it plus eps")
-    return passed(f"normalized_via_ones matches normalized_attention on {len(_ONES_CASES)} cases "
+    passed(f"normalized_via_ones matches normalized_attention on {len(_ONES_CASES)} cases "
                   "(lambda = 1, 0.9, 0.5; eps from 1e-6 to 0.1)")
 
 
@@ -130,12 +132,14 @@ _HYBRID_CASES = [  # (n, d, block, scale of q and k)
 ]
 
 
-def check_hybrid_weights(hybrid_weights) -> bool:
+@exercise("11.2", reveals=("joint_normalise", "attention_weights"),
+          allowed=("lightning_edu.numpy_reference.elu_plus_one",))
+def check_hybrid_weights(hybrid_weights, seed: int = 0) -> None:
     """Check ``hybrid_weights(q, k, block_size)``: q, k (n, d); returns the (n, n) weights of the hybrid block with
     lambda = 1, scale d^-0.5 and the elu+1 map: exp(scores) inside the row's block (causal), phi(q_t) . phi(k_s)
     for keys in earlier blocks, each row divided by its one joint sum."""
     for case, (n, d, block, scale) in enumerate(_HYBRID_CASES):
-        rng = np.random.default_rng(1110 + case)
+        rng = np.random.default_rng(1110 + case + seed)
         q, k = rng.standard_normal((2, n, d)) * scale
         ref = attention_weights(q, k, "hybrid", block_size=block)
         got = _call(hybrid_weights, "hybrid_weights", (q, k, block), (n, n))
@@ -158,5 +162,5 @@ def check_hybrid_weights(hybrid_weights) -> bool:
             raise ExerciseError(f"hybrid_weights differs {where}: {_first_wrong(got, ref)}. Hint: this is causal softmax "
                                 "over every earlier key; keys in earlier blocks get phi(q_t) . phi(k_s), not exp(score)")
         raise ExerciseError(f"hybrid_weights differs {where}: {_first_wrong(got, ref)}")
-    return passed(f"hybrid_weights matches the joint hybrid on {len(_HYBRID_CASES)} cases (one block = causal softmax, "
+    passed(f"hybrid_weights matches the joint hybrid on {len(_HYBRID_CASES)} cases (one block = causal softmax, "
                   "a block size that does not divide n, scores large enough to overflow a plain exp)")

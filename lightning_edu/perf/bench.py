@@ -2,6 +2,7 @@
 
     python -m lightning_edu.perf.bench --out bench.json                   # the chapter 07-08 table
     python -m lightning_edu.perf.bench --tune --out tune.json             # tile sweep of the la2_fast kernels
+    python -m lightning_edu.perf.bench --tiny --out tiny.json             # a tiny call's wall time, host included
 
 For every sequence length T and head dim D (H heads, bf16, T * batch = 32K tokens per call) and every
 method, it reports the forward and forward+backward time (median of ``triton.testing.do_bench``), tokens/s,
@@ -242,8 +243,20 @@ def _original(q, k, v, decay, do):
     return _autograd(lambda a, b, c: lightning_attn_func(a, b, c, s))(q, k, v, do)
 
 
+def _user_call(q, k, v, decay, do):
+    """``lightning_attention(..., backend="triton")`` as a model calls it: the per-head decay a float32 CUDA tensor
+    made once (a buffer or parameter of the layer), validation and dispatch included in every call."""
+    import torch
+
+    from ..api import lightning_attention
+
+    decay_t = torch.tensor(np.asarray(decay), dtype=torch.float32, device=q.device)
+    return _autograd(lambda a, b, c: lightning_attention(a, b, c, decay_t, backend="triton"))(q, k, v, do)
+
+
 METHODS: dict[str, Method] = {
     **registry_methods(),
+    "triton_user": Method("triton_user", _user_call),
     "torch": _registry_method(registry.backend_for("torch")),
     "sdpa_flash": Method("sdpa_flash", _sdpa("FLASH_ATTENTION"), same_function=False),
     "sdpa_cudnn": Method("sdpa_cudnn", _sdpa("CUDNN_ATTENTION"), same_function=False),
@@ -407,6 +420,39 @@ def run_tune(args) -> dict:
     return data
 
 
+def run_tiny(args, repeat: int = 200) -> dict:
+    """Wall time of one small forward+backward (1 x 4 heads x 256 tokens), host included: what a call costs when the
+    GPU work is too small to hide the Python, launches and allocations around it. Median of ``repeat`` calls, each
+    timed from the call to its gradients on the host clock (synchronised after each)."""
+    import torch
+
+    data = environment_record("python -m lightning_edu.perf.bench " + " ".join(sys.argv[1:]))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    results = []
+    for d in args.D:
+        q, k, v, do = _inputs(1, 4, 256, d, dtype)
+        for name in args.methods:
+            row = {"method": name, "T": 256, "D": d, "batch": 1, "heads": 4, "dtype": args.dtype}
+            try:
+                _, fwdbwd = METHODS[name].make(q, k, v, head_decays(4), do)
+                for _ in range(20):
+                    fwdbwd()
+                torch.cuda.synchronize()
+                samples = []
+                for _ in range(repeat):
+                    start = time.perf_counter()
+                    fwdbwd()
+                    torch.cuda.synchronize()
+                    samples.append(time.perf_counter() - start)
+                row["fwdbwd_wall_ms"] = float(np.median(samples) * 1e3)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(f"tiny {name:<18} D={d}: {row.get('fwdbwd_wall_ms', math.nan):.3f} ms", flush=True)
+            results.append(row)
+    data["results"] = results
+    return data
+
+
 def _table(data) -> str:
     width = max([16] + [len(r["method"]) + 1 for r in data["results"] if "method" in r])
     lines = [f"{data['machine']}  copy bw {data['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s",
@@ -436,6 +482,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                         help=f"any of: {' '.join(METHODS)} (or a recorded file's name: {' '.join(RECORDED_NAMES)})")
     parser.add_argument("--tune", action="store_true", help="sweep la2_fast tile sizes instead")
+    parser.add_argument("--tiny", action="store_true",
+                        help="wall time of a 1 x 4 x 256 forward+backward, host included, instead")
     parser.add_argument("--out", default=None, help="write JSON here")
     args = parser.parse_args(argv)
     args.methods = [method_name(m) for m in args.methods]
@@ -444,12 +492,12 @@ def main(argv=None) -> int:
         parser.error(f"unknown method(s) {' '.join(unknown)}; choose from {' '.join(METHODS)}")
     _refuse_without_gpu()
     start = time.time()
-    data = run_tune(args) if args.tune else run_table(args)
+    data = run_tune(args) if args.tune else run_tiny(args) if args.tiny else run_table(args)
     data["wall_s"] = round(time.time() - start, 1)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)
-    if not args.tune:
+    if not (args.tune or args.tiny):
         print(_table(data))
     return 0
 

@@ -1,0 +1,575 @@
+"""The book's chapters as nbgrader assignments, and a course laid out from them.
+
+Every chapter ends with ``## Exercises``: for each exercise a markdown statement ``### Exercise N.k: ...``, a code
+cell with the model answer between ``### BEGIN SOLUTION`` and ``### END SOLUTION``, and a code cell that calls
+its check from :mod:`lightning_edu.exercises`. :func:`normalise` gives those cells nbgrader's metadata (the
+statement locked, the answer a solution cell, the check a locked grade cell worth its points) and a hidden test
+(the same check on fresh random inputs, ``seed=None``) between ``### BEGIN HIDDEN TESTS`` and
+``### END HIDDEN TESTS``; an older layout, with the check in the answer cell, is split. It is idempotent, and it
+is how a new chapter becomes an assignment.
+
+Commands (``python -m lightning_edu.assignments ...``)::
+
+    normalise notebooks/*.ipynb [--points 4.3=2 ...] [--check]   make chapters nbgrader-native (or only report)
+    course DIR --chapters 04 05 [--points 4.3=2 ...]              lay out DIR/source/chNN/NN_x.ipynb for a course
+    points [notebooks/*.ipynb]                                    the points per exercise, a markdown table
+    config                                                        print the course's nbgrader_config.py
+
+``course`` never overwrites a file that exists in DIR (students' work included); in the students' copy it
+leaves out the cells that display the source of a package function an exercise asks the reader to write
+(:func:`student_source`). INSTRUCTORS.md walks through a whole course.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import importlib
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+__all__ = [
+    "NotNormalisable",
+    "Exercise",
+    "exercises",
+    "normalise",
+    "normalise_file",
+    "problems",
+    "points_table",
+    "student_source",
+    "layout_course",
+    "CONFIG_TEMPLATE",
+]
+
+BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
+BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+HIDDEN_COMMENT = "  # fresh random inputs each run, their seed printed"
+# nbgrader finds its markers anywhere in a line (ClearSolutions, ClearHiddenTests): these may appear only in
+# the cells that carry them.
+_MARKER_WORDS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN HIDDEN TESTS", "END HIDDEN TESTS")
+_EXERCISES = re.compile(r"^## Exercises\s*$", re.M)
+_STATEMENT = re.compile(r"^### Exercise (\d+)\.(\d+)\s*:", re.M)
+_CHECK_CALL = re.compile(r"^(check_\w+)\s*\(")
+_SCHEMA = 3
+DEFAULT_POINTS = 1
+
+
+class NotNormalisable(ValueError):
+    """A chapter whose exercise cells do not follow the layout :func:`normalise` understands."""
+
+
+@dataclass
+class Exercise:
+    """One exercise of a chapter: its number "N.k", title, cells (indices) and points."""
+
+    number: str
+    title: str
+    statement: int
+    answers: list[int] = field(default_factory=list)
+    check: int | None = None
+    checks: list[str] = field(default_factory=list)
+    points: float = DEFAULT_POINTS
+
+    @property
+    def slug(self) -> str:
+        return "ex-" + self.number.replace(".", "-")
+
+
+# ------------------------------------------------------------------------------------------- reading
+
+
+def _source(cell) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def _exercises_heading(nb) -> int:
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown" and _EXERCISES.search(_source(cell)):
+            return i
+    raise NotNormalisable("no markdown cell with a '## Exercises' heading: a chapter's exercises follow it")
+
+
+def _is_answer(cell) -> bool:
+    return cell.cell_type == "code" and BEGIN_SOLUTION in _source(cell)
+
+
+def _top_level_checks(source: str) -> list[str]:
+    """The names of the check functions a cell calls at its top level (not inside a def)."""
+    names = []
+    for line in source.splitlines():
+        match = _CHECK_CALL.match(line)
+        if match:
+            names.append(match.group(1))
+    return names
+
+
+def exercises(nb) -> list[Exercise]:
+    """The exercises of a chapter, from its ``## Exercises`` heading on (the layout of the module docstring)."""
+    start = _exercises_heading(nb)
+    found: list[Exercise] = []
+    for i in range(start + 1, len(nb.cells)):
+        cell = nb.cells[i]
+        source = _source(cell)
+        if cell.cell_type == "markdown":
+            match = _STATEMENT.search(source)
+            if match:
+                title = source[match.end():].splitlines()[0].strip() if source[match.end():] else ""
+                found.append(Exercise(f"{match.group(1)}.{match.group(2)}", title, i))
+            continue
+        if cell.cell_type != "code":
+            continue
+        if _is_answer(cell):
+            if not found:
+                raise NotNormalisable(f"cell {i} holds a solution before the first '### Exercise N.k:' statement")
+            found[-1].answers.append(i)
+            if _top_level_checks(source):
+                found[-1].checks = _top_level_checks(source)
+        elif _top_level_checks(source):
+            if not found or not found[-1].answers:
+                raise NotNormalisable(f"cell {i} calls {_top_level_checks(source)} before an answer cell of its exercise")
+            if found[-1].check is not None:
+                raise NotNormalisable(f"exercise {found[-1].number} has two check cells ({found[-1].check} and {i})")
+            found[-1].check = i
+            found[-1].checks = _top_level_checks(source.split(BEGIN_HIDDEN)[0])
+            points = cell.metadata.get("nbgrader", {}).get("points")
+            if points is not None:
+                found[-1].points = points
+    for ex in found:
+        if not ex.answers:
+            raise NotNormalisable(f"exercise {ex.number} (cell {ex.statement}) has no code cell with '{BEGIN_SOLUTION}'")
+        if not ex.checks:
+            raise NotNormalisable(f"exercise {ex.number} (cell {ex.statement}) calls no check_...() function after its answer")
+    numbers = [ex.number for ex in found]
+    if len(set(numbers)) != len(numbers):
+        raise NotNormalisable(f"exercise numbers repeat: {numbers}")
+    return found
+
+
+# ------------------------------------------------------------------------------------------- writing
+
+
+def _meta(grade_id: str, *, solution=False, grade=False, locked=False, points=None) -> dict:
+    meta = {"grade": grade, "grade_id": grade_id, "locked": locked, "schema_version": _SCHEMA, "solution": solution,
+            "task": False}
+    if grade:
+        meta["points"] = points
+    return meta
+
+
+def _imports(nb) -> dict[str, str]:
+    """check name -> the module a cell of the notebook imports it from."""
+    modules = {}
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        code = "\n".join("#" + line if line.lstrip().startswith(("%", "!")) else line
+                         for line in _source(cell).splitlines())
+        try:
+            tree = ast.parse(code)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_edu.exercises"):
+                for alias in node.names:
+                    if alias.name.startswith("check_"):
+                        modules[alias.asname or alias.name] = node.module
+    return modules
+
+
+def _is_check_import(line: str) -> bool:
+    match = re.match(r"^from (lightning_edu\.exercises(?:\.\w+)?) import (.+)$", line.strip())
+    if not match:
+        return False
+    names = [n.strip().split(" as ")[0] for n in match.group(2).strip("()").split(",") if n.strip()]
+    return bool(names) and all(n.startswith("check_") for n in names)
+
+
+def _split_answer(source: str) -> tuple[str, list[str]]:
+    """The answer cell without its top-level check calls and check imports; and those calls."""
+    kept, calls = [], []
+    for line in source.splitlines():
+        if _CHECK_CALL.match(line):
+            calls.append(line.strip())
+        elif _is_check_import(line):
+            continue
+        else:
+            kept.append(line)
+    while kept and not kept[0].strip():
+        kept.pop(0)
+    while kept and not kept[-1].strip():
+        kept.pop()
+    return "\n".join(kept), calls
+
+
+def _hidden_call(call: str) -> str:
+    try:
+        node = ast.parse(call).body[0]
+    except SyntaxError as exc:
+        raise NotNormalisable(f"cannot read the check call {call!r}: {exc}") from exc
+    if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
+        raise NotNormalisable(f"a check cell holds {call!r}; it may hold only imports and check_...(your_function) calls")
+    node.value.keywords = [k for k in node.value.keywords if k.arg != "seed"]
+    node.value.keywords.append(ast.keyword(arg="seed", value=ast.Constant(None)))
+    return ast.unparse(node) + HIDDEN_COMMENT
+
+
+def _check_source(calls: list[str], modules: dict[str, str], chapter: int) -> str:
+    names = []
+    for call in calls:
+        name = _CHECK_CALL.match(call).group(1)
+        if name not in names:
+            names.append(name)
+    by_module: dict[str, list[str]] = {}
+    for name in names:
+        by_module.setdefault(modules.get(name, f"lightning_edu.exercises.ch{chapter:02d}"), []).append(name)
+    lines = [f"from {module} import {', '.join(sorted(group))}" for module, group in by_module.items()]
+    lines += [""] + calls + [BEGIN_HIDDEN] + [_hidden_call(c) for c in calls] + [END_HIDDEN]
+    return "\n".join(lines)
+
+
+def _visible_calls(source: str) -> list[str]:
+    visible = source.split(BEGIN_HIDDEN)[0]
+    calls = []
+    for line in visible.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#") or _is_check_import(stripped):
+            continue
+        if not _CHECK_CALL.match(line):
+            raise NotNormalisable(f"a check cell holds {stripped!r}; it may hold only imports of check functions and "
+                                  "check_...(your_function) calls (put anything else in a cell of its own)")
+        calls.append(stripped)
+    return calls
+
+
+def _markers_outside(nb, allowed: set[int]) -> list[str]:
+    found = []
+    for i, cell in enumerate(nb.cells):
+        if i in allowed:
+            continue
+        source = _source(cell)
+        for word in _MARKER_WORDS:
+            if word in source:
+                found.append(f"cell {i} ({cell.cell_type}) contains '{word}'")
+    return found
+
+
+def normalise(nb, points: dict[str, float] | None = None):
+    """A copy of the chapter ``nb`` in nbgrader's layout (see the module docstring); ``nb`` is left unchanged.
+
+    ``points`` maps exercise numbers to points ({"4.3": 2}); an exercise not named keeps the points its check
+    cell has, or gets :data:`DEFAULT_POINTS`. Raises :class:`NotNormalisable` with the reason when the chapter
+    does not follow the layout.
+    """
+    nb = copy.deepcopy(nb)
+    points = {str(k): v for k, v in (points or {}).items()}
+    found = exercises(nb)
+    unknown = sorted(set(points) - {ex.number for ex in found})
+    if unknown:
+        raise NotNormalisable(f"--points names exercises this chapter does not have: {unknown}")
+    modules = _imports(nb)
+    inserted = 0
+    for ex in found:
+        ex.statement += inserted
+        ex.answers = [i + inserted for i in ex.answers]
+        if ex.check is not None:
+            ex.check += inserted
+        chapter = int(ex.number.split(".")[0])
+        nb.cells[ex.statement].metadata["nbgrader"] = _meta(f"{ex.slug}-statement", locked=True)
+        split_calls = []
+        for j, index in enumerate(ex.answers):
+            cell = nb.cells[index]
+            kept, calls = _split_answer(_source(cell))
+            if calls:
+                cell.source = kept
+                cell.outputs = []
+                cell.execution_count = None
+                split_calls += calls
+            suffix = "" if j == 0 else f"-{j + 1}"
+            cell.metadata["nbgrader"] = _meta(f"{ex.slug}-answer{suffix}", solution=True)
+        if ex.check is None:
+            check = nbformat.v4.new_code_cell(source="")
+            check.id = f"{ex.slug}-check"
+            at = ex.answers[-1] + 1
+            nb.cells.insert(at, check)
+            ex.check = at
+            inserted += 1
+            calls = split_calls
+        else:
+            check = nb.cells[ex.check]
+            calls = split_calls + _visible_calls(_source(check))
+        new_source = _check_source(calls, modules, chapter)
+        if _source(check) != new_source:
+            check.source = new_source
+            check.outputs = []
+            check.execution_count = None
+        ex.points = points.get(ex.number, check.metadata.get("nbgrader", {}).get("points", DEFAULT_POINTS))
+        check.metadata["nbgrader"] = _meta(f"{ex.slug}-check", grade=True, locked=True, points=ex.points)
+    marked = {i for ex in found for i in ex.answers} | {ex.check for ex in found}
+    stray = _markers_outside(nb, marked)
+    if stray:
+        raise NotNormalisable("nbgrader's markers may appear only in answer and check cells (it acts on them "
+                              "anywhere, in markdown too); reword: " + "; ".join(stray))
+    return nb
+
+
+def problems(nb, points: dict[str, float] | None = None) -> list[str]:
+    """What :func:`normalise` would change in ``nb`` (empty: the chapter is normalised)."""
+    try:
+        want = normalise(nb, points)
+    except NotNormalisable as exc:
+        return [str(exc)]
+    return _differences(nb, want)
+
+
+def _differences(nb, want) -> list[str]:
+    if len(want.cells) != len(nb.cells):
+        return [f"{len(want.cells) - len(nb.cells)} check cell(s) to split from their answer cells"]
+    out = []
+    for i, (a, b) in enumerate(zip(nb.cells, want.cells)):
+        if _source(a) != _source(b):
+            out.append(f"cell {i}: source differs from the normalised layout")
+        if a.metadata.get("nbgrader") != b.metadata.get("nbgrader"):
+            out.append(f"cell {i}: nbgrader metadata {a.metadata.get('nbgrader')} should be {b.metadata.get('nbgrader')}")
+    return out
+
+
+def _read(path: Path):
+    return nbformat.read(str(path), as_version=4)
+
+
+def _write(nb, path: Path) -> None:
+    # nbformat's own layout (indent 1, unicode kept, a final newline): what `jupyter nbconvert --inplace` writes.
+    with open(path, "w", encoding="utf-8") as f:
+        nbformat.write(nb, f)
+
+
+def normalise_file(path, points: dict[str, float] | None = None, check: bool = False) -> list[str]:
+    """Normalise the notebook at ``path`` in place (unless ``check``); return what was (or would be) changed."""
+    path = Path(path)
+    nb = _read(path)
+    want = normalise(nb, points)
+    found = _differences(nb, want)
+    if found and not check:
+        _write(want, path)
+    return found
+
+
+# ------------------------------------------------------------------------------------------- points
+
+
+def points_table(paths) -> str:
+    """A markdown table of the exercises and points of each chapter, read from the notebooks' metadata."""
+    rows = ["| chapter | assignment | exercises (points) | total |", "|---|---|---|---|"]
+    for path in paths:
+        path = Path(path)
+        found = exercises(_read(path))
+        listed = ", ".join(f"{ex.number} {_plain(ex.title)} ({_fmt(ex.points)})" for ex in found)
+        total = sum(ex.points for ex in found)
+        rows.append(f"| `{path.name}` | `ch{path.name[:2]}` | {listed} | {_fmt(total)} |")
+    return "\n".join(rows)
+
+
+def _plain(title: str) -> str:
+    return title.replace("|", "\\|")
+
+
+def _fmt(x) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# ------------------------------------------------------------------------------------------- the students' copy
+
+_SHOW_SOURCE = re.compile(r"^(\s*)show_source\(\s*([\w.]+?)\s*\)\s*(#.*)?$")
+
+
+def _checks_of(ex: Exercise, modules: dict[str, str]):
+    chapter = int(ex.number.split(".")[0])
+    for name in ex.checks:
+        module = importlib.import_module(modules.get(name, f"lightning_edu.exercises.ch{chapter:02d}"))
+        yield getattr(module, name)
+
+
+def student_source(nb):
+    """The chapter as students get it before nbgrader strips the solutions: a cell before ``## Exercises``
+    that displays the source of a function an exercise asks them to write (its check's ``reveals``) prints a
+    line saying so instead. A copy; ``nb`` is left unchanged."""
+    nb = copy.deepcopy(nb)
+    start = _exercises_heading(nb)
+    modules = _imports(nb)
+    hidden: dict[str, list[str]] = {}
+    for ex in exercises(nb):
+        for check in _checks_of(ex, modules):
+            for name in getattr(check, "reveals", ()):
+                hidden.setdefault(name, []).append(ex.number)
+    for cell in nb.cells[:start]:
+        if cell.cell_type != "code" or "show_source" not in _source(cell):
+            continue
+        lines, changed = [], False
+        for line in _source(cell).splitlines():
+            match = _SHOW_SOURCE.match(line)
+            target = match.group(2).removesuffix(".fn").split(".")[-1] if match else None
+            if target in hidden:
+                numbers = hidden[target]
+                which = f"exercise {numbers[0]} asks" if len(numbers) == 1 else f"exercises {', '.join(numbers)} ask"
+                lines.append(f'{match.group(1)}print("The source of {target} is left out of this assignment: '
+                             f'{which} you to write it.")')
+                changed = True
+            else:
+                lines.append(line)
+        if changed:
+            cell.source = "\n".join(lines)
+            cell.outputs = []
+            cell.execution_count = None
+    return nb
+
+
+# ------------------------------------------------------------------------------------------- a course
+
+CONFIG_TEMPLATE = '''\
+# nbgrader configuration of a course built from "Lightning Attention, from the Math to the Kernel".
+# `python -m lightning_edu.assignments course DIR --chapters ...` writes it into the course folder DIR (the
+# course root: run nbgrader there). INSTRUCTORS.md explains each step.
+c = get_config()  # noqa: F821 - nbgrader's config loader defines get_config
+
+# One assignment per chapter: source/chNN/NN_name.ipynb, released into release/chNN/.
+c.CourseDirectory.source_directory = "source"
+c.CourseDirectory.release_directory = "release"
+# c.CourseDirectory.course_id = "lightning-attention"   # release_assignment and collect need it
+# c.Exchange.root = "/srv/nbgrader/exchange"             # where release_assignment puts the students' copies
+
+# The chapters' markers (nbgrader's defaults, stated so that another default cannot break them). nbgrader acts
+# on them anywhere in a cell, markdown too, so the chapters write them only in answer and check cells.
+c.ClearSolutions.begin_solution_delimeter = "BEGIN SOLUTION"
+c.ClearSolutions.end_solution_delimeter = "END SOLUTION"
+c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\\nraise NotImplementedError()"}
+c.ClearSolutions.enforce_metadata = True
+c.ClearHiddenTests.begin_test_delimeter = "BEGIN HIDDEN TESTS"
+c.ClearHiddenTests.end_test_delimeter = "END HIDDEN TESTS"
+
+# Autograding runs a chapter top to bottom. Without a GPU the Triton chapters (07-09) run their kernels in the
+# CPU interpreter: minutes for some cells.
+c.Execute.timeout = 1800
+c.Execute.interrupt_on_timeout = True
+'''
+
+
+def _chapter_paths(root: Path, specs) -> list[Path]:
+    from .book import chapters
+
+    known = {c.file[:2]: c.path for c in chapters(root)}
+    paths = []
+    for spec in specs:
+        key = f"{int(spec):02d}" if str(spec).isdigit() else str(spec)[:2]
+        if key not in known:
+            raise SystemExit(f"no chapter {spec!r} in book.toml (chapters: {', '.join(sorted(known))})")
+        paths.append(known[key])
+    return paths
+
+
+def layout_course(course: Path, chapters, *, points: dict[str, float] | None = None, root: Path | None = None) -> dict:
+    """Lay out ``course/source/chNN/NN_x.ipynb`` for each chapter (numbers, e.g. ["04", "05"]) and
+    ``course/nbgrader_config.py``; a file that exists is never overwritten. Returns {"written": [...], "kept": [...]}.
+    """
+    from .book import repo_root
+
+    course = Path(course)
+    root = Path(root) if root else repo_root()
+    result = {"written": [], "kept": []}
+    config = course / "nbgrader_config.py"
+    _write_new(config, CONFIG_TEMPLATE, result)
+    for path in _chapter_paths(root, chapters):
+        target = course / "source" / f"ch{path.name[:2]}" / path.name
+        nb = student_source(normalise(_read(path), _points_for(points, path)))
+        _write_new(target, nbformat.writes(nb) + "\n", result)
+    return result
+
+
+def _points_for(points, path: Path):
+    if not points:
+        return None
+    prefix = f"{int(path.name[:2])}."
+    return {k: v for k, v in points.items() if k.startswith(prefix)} or None
+
+
+def _write_new(path: Path, text: str, result: dict) -> None:
+    if path.exists():
+        result["kept"].append(path)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "x", encoding="utf-8") as f:  # "x": fails rather than overwrite, even in a race
+        f.write(text)
+    result["written"].append(path)
+
+
+# ------------------------------------------------------------------------------------------- command line
+
+
+def _parse_points(items) -> dict[str, float]:
+    points = {}
+    for item in items or ():
+        number, _, value = item.partition("=")
+        if not re.fullmatch(r"\d+\.\d+", number) or not value:
+            raise SystemExit(f"--points takes N.k=P, e.g. 4.3=2; got {item!r}")
+        points[number] = float(value) if "." in value else int(value)
+    return points
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_edu.assignments", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("normalise", help="give chapters nbgrader's cell metadata and hidden tests (in place)")
+    p.add_argument("notebooks", nargs="+")
+    p.add_argument("--points", nargs="*", metavar="N.k=P", help="points of an exercise (default 1)")
+    p.add_argument("--check", action="store_true", help="only report what would change; exit 1 if anything would")
+    p = sub.add_parser("course", help="lay out a course folder from chapters (never overwrites a file)")
+    p.add_argument("dir")
+    p.add_argument("--chapters", nargs="+", required=True, metavar="NN")
+    p.add_argument("--points", nargs="*", metavar="N.k=P")
+    p = sub.add_parser("points", help="print the points per chapter as a markdown table")
+    p.add_argument("notebooks", nargs="*")
+    sub.add_parser("config", help="print the nbgrader_config.py a course uses")
+    args = parser.parse_args(argv)
+
+    if args.command == "normalise":
+        points, status = _parse_points(args.points), 0
+        for name in args.notebooks:
+            path = Path(name)
+            try:
+                changes = normalise_file(path, _points_for(points, path), check=args.check)
+            except NotNormalisable as exc:
+                print(f"{path}: not normalisable: {exc}", file=sys.stderr)
+                status = 2
+                continue
+            if changes:
+                verb = "would change" if args.check else "normalised (re-execute it to refresh its outputs)"
+                print(f"{path}: {verb}: " + "; ".join(changes[:3]) + (" ..." if len(changes) > 3 else ""))
+                status = max(status, 1 if args.check else 0)
+            else:
+                print(f"{path}: already normalised")
+        return status
+    if args.command == "course":
+        result = layout_course(Path(args.dir), args.chapters, points=_parse_points(args.points))
+        for path in result["written"]:
+            print(f"wrote {path}")
+        for path in result["kept"]:
+            print(f"kept  {path} (exists; never overwritten)")
+        print("next: cd into the course folder and run `nbgrader generate_assignment chNN` (INSTRUCTORS.md)")
+        return 0
+    if args.command == "points":
+        from .book import chapters, repo_root
+
+        paths = args.notebooks or [c.path for c in chapters(repo_root())]
+        print(points_table(paths))
+        return 0
+    print(CONFIG_TEMPLATE, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
