@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-__all__ = ["METHOD_COLORS", "color", "new_figure", "log_axes"]
+__all__ = ["METHOD_COLORS", "BENCH_STYLES", "color", "bench_style", "new_figure", "log_axes", "legend_outside"]
 
 # The same method keeps its colour in every chapter (Okabe-Ito palette: readable for colour-blind readers).
 METHOD_COLORS = {
@@ -33,6 +33,45 @@ METHOD_COLORS = {
     "kahan": "#117733",  # a compensated float32 state (chapter 10)
     "float64": "#332288",
 }
+
+
+# The benchmarks' methods (chapters 07-10): each its own colour and marker, the same in every figure, so that ten
+# series stay apart in print and for colour-blind readers. Ours are the warm colours, libraries the cool ones.
+BENCH_STYLES = {  # method (as perf.bench names it) -> (label, colour, marker, line style)
+    "triton": ("LA-2 fast (ours, the backend)", METHOD_COLORS["triton"], "o", "-"),
+    "triton_user": ("LA-2 fast, called as a model calls it", "#BB5566", ">", "--"),
+    "triton.la2_fast.one_segment": ("LA-2 fast without segments", "#EE7733", "s", ":"),
+    "triton.la2_fast.no_state_reuse": ("LA-2 fast, backward without the saved states", "#CC3311", "p", ":"),
+    "triton.la2_fast.fused_dkdv": ("LA-2 fast, fused dK/dV backward", "#EE3377", "<", ":"),
+    "triton.la3": ("LA-3 backward (ours, chapter 09)", METHOD_COLORS["la3"], "v", "-"),
+    "triton.la2_literal": ("LA-2 literal (Algorithms 1-2)", "#CC79A7", "^", "-"),
+    "triton.la1": ("LA-1 (tiled left product)", METHOD_COLORS["left"], "D", "-"),
+    "torch": ("torch backend (chapter 06)", "#AA4499", "P", ":"),
+    "sdpa_flash": ("softmax, SDPA flash", METHOD_COLORS["softmax"], "x", "-"),
+    "sdpa_cudnn": ("softmax, SDPA cuDNN", "#666666", "+", "--"),
+    "fla_chunk": ("fla chunk_simple_gla", "#0072B2", "*", "-"),
+    "fla_fused_chunk": ("fla fused_chunk_simple_gla", "#56B4E9", "X", "--"),
+    "original": ("original lightning_attn_func", METHOD_COLORS["recurrent"], "h", "-"),
+}
+
+
+def bench_style(method: str) -> dict:
+    """``ax.plot`` keywords (label, color, marker, linestyle) of a benchmarked method, named as ``perf.bench``
+    names it now or as an older recording did (``la2_literal`` for ``triton.la2_literal``); KeyError names the
+    known ones."""
+    from ..perf.bench import RECORDED_NAMES
+
+    try:
+        label, colour, marker, ls = BENCH_STYLES[RECORDED_NAMES.get(method, method)]
+    except KeyError:
+        raise KeyError(f"no style for method {method!r}; known: {sorted(BENCH_STYLES)}") from None
+    return dict(label=label, color=colour, marker=marker, linestyle=ls)
+
+
+def legend_outside(fig, ax, ncols: int = 3, fontsize: int = 8):
+    """One legend for the whole figure, below the panels (never over the data), from ``ax``'s labelled lines."""
+    handles, labels = ax.get_legend_handles_labels()
+    return fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=fontsize, frameon=False)
 
 
 def color(method: str) -> str:
