@@ -54,6 +54,7 @@ _IMPLEMENTATION_MODULES = (
     "lightning_edu.feature_maps",
     "lightning_edu.perf.costs",
     "lightning_edu.perf.decode",
+    "lightning_edu.distributed",
 )
 
 

@@ -1,0 +1,88 @@
+"""Exercise 12.1 (the incoming state of every rank): a right answer passes on fixed and fresh inputs, and each
+planted mistake is rejected with the message that names it."""
+
+import numpy as np
+import pytest
+
+from lightning_edu.exercises import ExerciseError, IntegrityError
+from lightning_edu.exercises.ch12 import check_incoming_states, local_states, sequence_states
+from lightning_edu.numpy_reference import causal_linear_recurrent
+
+
+def _combine(power=lambda n: n, local=False, own=False, start=True, head0=False, shift=False):
+    def incoming_states(states, counts, lam, initial_state):
+        lam3 = (np.full_like(lam, lam[0]) if head0 else lam)[:, None, None]
+        cur = initial_state.copy() if start else np.zeros_like(initial_state)
+        out = [cur]
+        for r in range(len(counts)):
+            n = counts[r + 1] if own and r + 1 < len(counts) else counts[r]
+            cur = lam3 ** power(n) * (cur + states[r]) if local else lam3 ** power(n) * cur + states[r]
+            out.append(cur)
+        return out[1:] if shift else out[:-1]
+
+    return incoming_states
+
+
+def test_a_right_answer_passes_on_fixed_and_fresh_inputs(capsys):
+    check_incoming_states(_combine())
+    check_incoming_states(_combine(), seed=None)
+    assert capsys.readouterr().out.count("Correct:") == 2
+
+
+def test_the_reference_is_the_whole_sequences_recurrence():
+    rng = np.random.default_rng(0)
+    counts, lam = [3, 4, 2], np.array([0.9, 0.5])
+    q, k = rng.standard_normal((2, 2, 9, 3))
+    v = rng.standard_normal((2, 9, 2))
+    s0 = rng.standard_normal((2, 3, 2))
+    states = sequence_states(k, v, lam, counts, s0)
+    _, after_7 = causal_linear_recurrent(q[None, :, :7], k[None, :, :7], v[None, :, :7], lam,
+                                         initial_state=s0[None], return_state=True)
+    np.testing.assert_allclose(states[2], after_7[0], rtol=1e-13)
+    np.testing.assert_array_equal(states[0], s0)
+    _, alone = causal_linear_recurrent(q[None, :, 3:7], k[None, :, 3:7], v[None, :, 3:7], lam, return_state=True)
+    np.testing.assert_allclose(local_states(q, k, v, lam, counts)[1], alone[0], rtol=1e-13)
+
+
+@pytest.mark.parametrize("slip, words", [
+    (_combine(lambda n: 0), "the carried state is not decayed"),
+    (_combine(lambda n: n - 1), "lam**(n_{r-1} - 1)"),
+    (_combine(lambda n: n + 1), "lam**(n_{r-1} + 1)"),
+    (_combine(local=True), "S_{r-1} was decayed along with IN_{r-1}"),
+    (_combine(own=True), "decayed by the next rank's token count"),
+    (_combine(start=False), "the initial state is missing"),
+    (_combine(shift=True), "the outgoing state"),
+    (_combine(head0=True), "head 0's lambda"),
+])
+def test_each_usual_slip_is_named(slip, words):
+    with pytest.raises(ExerciseError, match="wrong") as info:
+        check_incoming_states(slip)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("answer, words", [
+    (lambda st, c, lam, s0: [x * np.nan for x in _combine()(st, c, lam, s0)], "NaN or inf"),
+    (lambda st, c, lam, s0: _combine()(st, c, lam, s0)[:-1], "one per rank is 4"),
+    (lambda st, c, lam, s0: "states", "got str"),
+    (lambda st, c, lam, s0: None, "returned None"),
+    (lambda st, c, lam, s0: [x.transpose(0, 2, 1) for x in _combine()(st, c, lam, s0)], "expected (3, 4, 3)"),
+    (lambda st, c, lam, s0: (st[0].__imul__(2), _combine()(st, c, lam, s0))[1], "in place"),
+    (lambda st, c, lam, s0: 1 / 0, "raised ZeroDivisionError"),
+    (lambda st, c, lam, s0: [["a"] * 3] * 4, "rank 0"),
+])
+def test_wrong_outputs_get_a_message_never_a_traceback(answer, words):
+    with pytest.raises(ExerciseError) as info:
+        check_incoming_states(answer)
+    assert words in str(info.value)
+
+
+def test_calling_the_package_is_refused():
+    from lightning_edu import lightning_attention
+
+    def incoming_states(states, counts, lam, initial_state):
+        lightning_attention(np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)), 1.0,
+                            backend="numpy")
+        return _combine()(states, counts, lam, initial_state)
+
+    with pytest.raises(IntegrityError, match="lightning_attention"):
+        check_incoming_states(incoming_states)
