@@ -326,7 +326,8 @@ def pipeline(tmp_path_factory):
     return run_pipeline(tmp_path_factory.mktemp("course"))
 
 
-def _solution_lines(nb) -> set[str]:
+def _lines(nb, *, in_solutions: bool) -> set[str]:
+    """The stripped lines between the solution markers (those of 20 characters or more), or those outside them."""
     lines, inside = set(), False
     for cell in nb.cells:
         for line in cell.source.splitlines():
@@ -334,22 +335,17 @@ def _solution_lines(nb) -> set[str]:
                 inside = True
             elif END_SOLUTION in line:
                 inside = False
-            elif inside and len(line.strip()) >= 20:
+            elif inside == in_solutions and (not in_solutions or len(line.strip()) >= 20):
                 lines.add(line.strip())
     return lines
+
+
+def _solution_lines(nb) -> set[str]:
+    return _lines(nb, in_solutions=True)
 
 
 def _lines_outside_solutions(nb) -> set[str]:
-    lines, inside = set(), False
-    for cell in nb.cells:
-        for line in cell.source.splitlines():
-            if BEGIN_SOLUTION in line:
-                inside = True
-            elif END_SOLUTION in line:
-                inside = False
-            elif not inside:
-                lines.add(line.strip())
-    return lines
+    return _lines(nb, in_solutions=False)
 
 
 @pytest.mark.parametrize("assignment", PIPELINE_CHAPTERS)
