@@ -209,3 +209,11 @@ def test_nbval_markers_are_exact(chapter):
                     f"cell {i}: {stripped!r} is not an nbval marker (nbval needs the comment to be exactly one of "
                     f"{sorted(NBVAL_MARKERS)}); put any explanation on the next line"
                 )
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=IDS)
+def test_no_saved_widget_state(chapter):
+    """Restored without a kernel (a static export, the website), saved widget state draws sliders that move and
+    redraw nothing; each widget's own text says what it needs instead (lightning_edu.book.widgets)."""
+    assert "widgets" not in notebook(chapter).metadata, (
+        f"{chapter.file} stores widget state: `python -m lightning_edu.assignments normalise` drops it")

@@ -13,6 +13,8 @@ from ..numpy_reference import decay_mask
 from .plots import color
 from ..validation import validate_decay, validate_positive_int
 
+from .widgets import live_box
+
 __all__ = ["DECAY_CHOICES", "effective_context", "render_decay_view", "decay_explorer"]
 
 # Horizons 1/(1-lambda) that double from 2 to 256 tokens, then lambda = 1 (no decay, chapter 02), and the
@@ -96,7 +98,7 @@ def decay_explorer(n: int = 32, decay: float = 0.875, choices=DECAY_CHOICES):
             display(figure)
 
     slider.observe(redraw, names="value")
-    box = widgets.VBox([slider, output])
+    box = live_box([slider, output], "The decay explorer")
     box.slider, box.figure, box.output = slider, figure, output
     redraw()
     return box

@@ -30,6 +30,8 @@ from ..perf.costs import POWERS_OF_TWO, Hardware, attention_cost, block_size_swe
 from .plots import color
 from ..validation import validate_decay, validate_positive_int
 
+from .widgets import live_box
+
 __all__ = [
     "BLOCK_SIZES", "DECAYS", "DIMS", "SEQ_LENS", "ExplorerNumbers", "explorer_numbers", "render_explorer",
     "BlockExplorer", "explorer",
@@ -279,7 +281,8 @@ class BlockExplorer:
         self.block_size.add_class("lightning-explorer-block-size")
         for control in self.controls:
             control.observe(self._on_change, names="value")
-        self.widget = widgets.VBox([widgets.HBox([widgets.VBox(self.controls[:2]), widgets.VBox(self.controls[2:])]), self.readout, self.image])
+        self.widget = live_box([widgets.HBox([widgets.VBox(self.controls[:2]), widgets.VBox(self.controls[2:])]), self.readout, self.image],
+                               "The block-size explorer")
         self.redraw()
 
     def setting(self) -> dict:

@@ -29,6 +29,8 @@ from matplotlib.figure import Figure
 from ..feature_maps import LearnedReLU2, attention_weights
 from ..validation import check_finite_scalar, validate_choice, validate_decay, validate_positive_int
 
+from .widgets import live_box
+
 __all__ = [
     "FEATURE_VIEW_MAPS", "D_FEATURE_CHOICES", "FEATURE_DECAY_CHOICES", "feature_weights", "render_feature_view",
     "feature_explorer",
@@ -256,7 +258,7 @@ def feature_explorer(feature_map: str = "elu+1", d_feature: int = 16, decay: flo
     output = widgets.Output()
     output.add_class("lightning-feature-plot")
     figure = Figure(figsize=_FIGSIZE, dpi=100, layout="constrained")
-    box = widgets.VBox([widgets.HBox([map_control, d_control]), decay_control, output])
+    box = live_box([widgets.HBox([map_control, d_control]), decay_control, output], "The feature-map explorer")
 
     def redraw(change=None):
         learned = map_control.value == LEARNED
