@@ -22,6 +22,10 @@ Side tools, in two packages: :mod:`.book` (table of contents, notebook helpers, 
 widgets :mod:`.book.decay_view` and :mod:`.book.explorer`) and :mod:`.perf` (:mod:`.perf.costs`,
 :mod:`.perf.measure`, :mod:`.perf.torch_sweep`, :mod:`.perf.bench`, :mod:`.perf.environment`); and
 :mod:`.exercises`, one checker module per chapter.
+
+Beyond one layer: :mod:`.distributed` (one sequence across processes or GPUs, chapter 12) and :mod:`.models`
+(small decoders with a swappable attention, the per-head decay schedules of the implementations, the MQAR
+recall task and a training loop; imported on demand, like :mod:`.distributed`).
 """
 
 from __future__ import annotations

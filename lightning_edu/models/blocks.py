@@ -1,0 +1,224 @@
+"""A small decoder whose attention can be swapped: softmax, lightning or elu+1 linear attention.
+
+The model is nanoGPT's shape with today's usual parts::
+
+    tokens -> embedding -> [Block] x layers -> RMSNorm -> (tied embedding)^T -> logits
+    Block:  x = x + Attention(RMSNorm(x));   x = x + SwiGLU(RMSNorm(x))
+
+Only the token mixing inside :class:`Attention` changes between the variants (:data:`ATTENTIONS`):
+
+* ``"softmax"``: causal softmax attention (``torch.nn.functional.scaled_dot_product_attention``) with rotary
+  position embeddings (RoPE) on q and k.
+* ``"lightning"``: :func:`lightning_edu.lightning_attention` on SiLU(q), SiLU(k), v with one fixed decay per
+  head (a buffer, from a schedule of :mod:`.decay`), then an RMSNorm over the heads' concatenated outputs, in
+  the manner of TransNormerLLM, whose lightning attention has no softmax and no normaliser and relies on a
+  norm of its output instead. No position embedding: the decay already tells near from far.
+  TransNormerLLM's output gate (the normed output multiplied by a projection of x) is left out.
+* ``"elu"``: normalized linear attention with the elu+1 feature map (Katharopoulos et al., "Transformers are
+  RNNs"), :func:`lightning_edu.normalized_attention`: o_t = phi(q_t) S_t / (phi(q_t) . z_t + eps). By
+  default no decay (lambda = 1), as in that paper.
+
+Weights start as in nanoGPT: normal(0, 0.02), norms at 1, no biases anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..api import lightning_attention, normalized_attention
+from .decay import decay_schedule
+
+__all__ = ["ATTENTIONS", "RMSNorm", "SwiGLU", "Attention", "Block", "Decoder", "rope_tables", "apply_rope"]
+
+ATTENTIONS = ("softmax", "lightning", "elu")
+"""The token mixers :class:`Attention` offers."""
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis; weight (dim,) starts at 1."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class SwiGLU(nn.Module):
+    """The gated MLP: down(SiLU(gate(x)) * up(x)), three bias-free (d_model x hidden) matrices."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def rope_tables(max_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE's angles t * base^(-2i / head_dim), each (max_len, head_dim / 2), float32."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x_{2i}, x_{2i+1}) of x (..., n, head_dim) by the angle of its position (tables (n, d/2))."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    """Multi-head causal attention, x (batch, n, d_model) -> (batch, n, d_model), with a swappable mixer.
+
+    ``kind`` is one of :data:`ATTENTIONS`. ``decay`` (lightning and elu only) is a schedule name of
+    :mod:`.decay` (evaluated for this ``layer`` of ``layers``), a float in (0, 1] or one value per head;
+    None means the "alibi" schedule for lightning and 1.0 (no decay) for elu. The lambdas live in the buffer
+    ``decay`` (float32, (heads,)): they move with the module and are not trained. ``backend`` is passed to
+    :func:`lightning_edu.lightning_attention` ("auto": triton on CUDA, torch otherwise).
+
+    Parameters: the q, k, v projection (d_model x 3 d_model) and the output projection (d_model x d_model);
+    "lightning" adds its output RMSNorm (d_model).
+    """
+
+    def __init__(self, d_model: int, heads: int, kind: str = "softmax", *, max_len: int = 2048, decay=None,
+                 layer: int = 0, layers: int = 1, backend: str = "auto") -> None:
+        super().__init__()
+        d_model, heads, max_len = (_positive_int(n, v) for n, v in
+                                   (("d_model", d_model), ("heads", heads), ("max_len", max_len)))
+        if kind not in ATTENTIONS:
+            raise ValueError(f"kind must be one of {ATTENTIONS}, got {kind!r}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+        if d_model % heads:
+            raise ValueError(f"d_model must be a multiple of heads, got d_model={d_model}, heads={heads}")
+        self.kind, self.heads, self.head_dim, self.backend = kind, heads, d_model // heads, backend
+        if kind == "softmax" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got d_model / heads = {self.head_dim}")
+        if kind == "softmax" and decay is not None:
+            raise ValueError("decay applies to 'lightning' and 'elu' attention only")
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+        self.norm = RMSNorm(d_model) if kind == "lightning" else None
+        if kind == "softmax":
+            cos, sin = rope_tables(max_len, self.head_dim)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            lambdas = self._lambdas(decay, layer, layers)
+            self.register_buffer("decay", torch.tensor(lambdas, dtype=torch.float32))
+
+    def _lambdas(self, decay, layer: int, layers: int) -> np.ndarray:
+        if decay is None:
+            decay = "alibi" if self.kind == "lightning" else 1.0
+        if isinstance(decay, str):
+            return decay_schedule(decay, self.heads, layer, layers)
+        lambdas = np.broadcast_to(np.asarray(decay, dtype=np.float64), (self.heads,)).copy()
+        if not np.all((lambdas > 0) & (lambdas <= 1)):
+            raise ValueError(f"decay values must lie in (0, 1], got {lambdas}")
+        return lambdas
+
+    def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v, each (batch, heads, n, head_dim), from x (batch, n, d_model)."""
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    def mix(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The token mixing alone: (batch, heads, n, head_dim) in, the same shape out (before any norm)."""
+        if self.kind == "softmax":
+            n = q.shape[-2]
+            cos, sin = self.rope_cos[:n], self.rope_sin[:n]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.kind == "lightning":
+            return lightning_attention(F.silu(q), F.silu(k), v, self.decay, backend=self.backend)
+        return normalized_attention(q, k, v, self.decay, feature_map="elu+1", backend=self.backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        o = self.mix(*self.split_heads(x)).transpose(1, 2).reshape(b, n, d)
+        if self.norm is not None:
+            o = self.norm(o)
+        return self.out(o)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder block: x + Attention(RMSNorm(x)), then + SwiGLU(RMSNorm(x))."""
+
+    def __init__(self, d_model: int, heads: int, mlp_hidden: int, attention: str = "softmax", **attention_kw) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
+        self.attn = Attention(d_model, heads, attention, **attention_kw)
+        self.mlp = SwiGLU(d_model, mlp_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Decoder(nn.Module):
+    """A decoder-only language model: ``forward(tokens (batch, n) int64) -> logits (batch, n, vocab)``.
+
+    ``attention`` is one of :data:`ATTENTIONS`; ``decay`` and ``backend`` go to every :class:`Attention`
+    (a schedule name is evaluated per layer, so "fla_lightning" and "minimax01" change with depth).
+    ``mlp_hidden`` defaults to 8 d_model / 3 rounded up to a multiple of 8 (SwiGLU's three matrices then
+    hold about as many weights as a 4 d_model GELU MLP's two). The output layer reuses the embedding matrix
+    (tied embeddings). Sequences longer than ``max_len`` are refused (RoPE's tables stop there).
+
+    Parameter count: vocab d + layers (4 d^2 + 3 d h + 2 d [+ d for lightning's output norm]) + d,
+    with d = d_model and h = mlp_hidden; :meth:`n_params` counts it from the module.
+    """
+
+    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, attention: str = "softmax", *,
+                 max_len: int = 2048, mlp_hidden: int | None = None, decay=None, backend: str = "auto") -> None:
+        super().__init__()
+        vocab, layers, max_len = (_positive_int(n, v) for n, v in
+                                  (("vocab", vocab), ("layers", layers), ("max_len", max_len)))
+        d_model = _positive_int("d_model", d_model)
+        mlp_hidden = 8 * math.ceil(8 * d_model / 3 / 8) if mlp_hidden is None else _positive_int("mlp_hidden", mlp_hidden)
+        self.vocab, self.max_len = vocab, max_len
+        self.embed = nn.Embedding(vocab, d_model)
+        self.blocks = nn.ModuleList(
+            Block(d_model, heads, mlp_hidden, attention, max_len=max_len, decay=decay, layer=i, layers=layers,
+                  backend=backend)
+            for i in range(layers))
+        self.norm = RMSNorm(d_model)
+        for name, p in self.named_parameters():
+            if p.ndim == 2:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not torch.is_tensor(tokens) or tokens.dtype not in (torch.int32, torch.int64) or tokens.ndim != 2:
+            raise TypeError("tokens must be an int32/int64 tensor of shape (batch, n)")
+        if tokens.shape[1] > self.max_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={self.max_len}")
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.norm(x), self.embed.weight)
+
+    def n_params(self) -> int:
+        """The number of trainable weights (the tied embedding counted once)."""
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,271 @@
+"""The small models of lightning_edu.models: decay schedules, the decoder, MQAR data and the training loop."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_edu.models import (
+    ATTENTIONS, SCHEDULES, Attention, Decoder, decay_schedule, evaluate_mqar, mqar_batch, mqar_batches, train,
+)
+from lightning_edu.models.mqar import IGNORE_INDEX
+from lightning_edu.perf.bench import head_decays
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- decay schedules
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("heads,layers", [(1, 1), (4, 3), (8, 12), (12, 2)])
+def test_schedule_values_in_unit_interval(name, heads, layers):
+    for layer in range(layers):
+        lam = decay_schedule(name, heads, layer, layers)
+        assert lam.dtype == np.float64 and lam.shape == (heads,)
+        assert np.all(lam > 0) and np.all(lam <= 1)
+
+
+def test_alibi_is_the_benchmark_schedule():
+    for heads in (1, 3, 8, 16):
+        np.testing.assert_array_equal(decay_schedule("alibi", heads), head_decays(heads))
+    np.testing.assert_allclose(decay_schedule("alibi", 8), np.exp(-(2.0 ** (-np.arange(1, 9)))), rtol=1e-15)
+    lam = decay_schedule("alibi", 8)
+    assert np.all(np.diff(lam) > 0) and lam[-1] < 1
+
+
+def test_fla_lightning_formula():
+    for heads, layer, layers in [(8, 0, 1), (8, 2, 4), (6, 5, 6)]:
+        lam = decay_schedule("fla_lightning", heads, layer, layers)
+        assert lam[0] == 1.0  # head 0 never decays
+        np.testing.assert_allclose(np.log(lam), -(8 / heads) * (1 - layer / layers) * np.arange(heads), rtol=1e-12, atol=1e-15)
+        assert np.all(np.diff(lam) < 0)  # falls with the head index
+    assert math.isclose(decay_schedule("fla_lightning", 8, 0, 1)[1], math.exp(-1.0), rel_tol=1e-15)
+    # deeper layers decay less
+    assert np.all(decay_schedule("fla_lightning", 8, 3, 4)[1:] > decay_schedule("fla_lightning", 8, 0, 4)[1:])
+
+
+def test_minimax01_layers():
+    np.testing.assert_array_equal(decay_schedule("minimax01", 8, 0, 5), decay_schedule("alibi", 8))
+    np.testing.assert_array_equal(decay_schedule("minimax01", 8, 0, 1), decay_schedule("alibi", 8))
+    np.testing.assert_array_equal(decay_schedule("minimax01", 8, 4, 5), np.ones(8))  # factor 1 - 4/4 = 0
+    mid = decay_schedule("minimax01", 8, 2, 5)
+    np.testing.assert_allclose(np.log(mid), -(2.0 ** (-np.arange(1, 9))) * 0.5, rtol=1e-12)
+    assert np.all(np.diff(mid) > 0)
+
+
+def test_schedule_errors():
+    with pytest.raises(ValueError, match="unknown decay schedule"):
+        decay_schedule("alibi2", 8)
+    with pytest.raises(TypeError):
+        decay_schedule(None, 8)
+    with pytest.raises(ValueError, match="heads"):
+        decay_schedule("alibi", 0)
+    with pytest.raises(TypeError, match="heads"):
+        decay_schedule("fla_lightning", 8.0)
+    with pytest.raises(ValueError, match="layer"):
+        decay_schedule("minimax01", 8, 4, 4)
+    with pytest.raises(ValueError, match="layers"):
+        decay_schedule("fla_lightning", 8, 0, 0)
+    with pytest.raises(ValueError, match="layer"):
+        decay_schedule("alibi", 8, -1, 2)
+
+
+# ---------------------------------------------------------------- the decoder
+
+def _tiny(kind, **kw):
+    torch.manual_seed(0)
+    return Decoder(vocab=17, d_model=16, heads=2, layers=2, attention=kind, max_len=32, backend="torch", **kw)
+
+
+@pytest.mark.parametrize("kind", ATTENTIONS)
+def test_shapes_and_causality(kind):
+    model = _tiny(kind)
+    tokens = torch.randint(0, 17, (3, 12), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens)
+    assert logits.shape == (3, 12, 17) and logits.dtype == torch.float32
+    for t in (0, 5, 10):
+        changed = tokens.clone()
+        changed[:, t + 1] = (changed[:, t + 1] + 1) % 17
+        other = model(changed)
+        torch.testing.assert_close(other[:, : t + 1], logits[:, : t + 1], rtol=1e-5, atol=1e-6)
+        assert (other[:, t + 1] - logits[:, t + 1]).abs().max() > 1e-4  # the change is seen from t + 1 on
+
+
+def _reference_linear(q, k, v, lam):
+    """o_t = sum_{s <= t} lam^(t-s) (q_t . k_s) v_s, from the explicit (n, n) matrix, in float64."""
+    n = q.shape[-2]
+    t = torch.arange(n, dtype=torch.float64)
+    gap = t[:, None] - t[None, :]
+    lam = torch.as_tensor(lam, dtype=torch.float64)[:, None, None]
+    weights = torch.where(gap >= 0, lam ** gap.clamp(min=0), torch.zeros(()))
+    return ((q.double() @ k.double().transpose(-1, -2)) * weights) @ v.double()
+
+
+@pytest.mark.parametrize("decay", [1.0, "alibi", "fla_lightning"])
+def test_lightning_mixer_matches_the_explicit_sum(decay):
+    torch.manual_seed(0)
+    attn = Attention(16, 4, "lightning", decay=decay, layer=1, layers=3, backend="torch")
+    q, k, v = attn.split_heads(torch.randn(2, 24, 16))
+    lam = np.ones(4) if decay == 1.0 else decay_schedule(decay, 4, 1, 3)
+    np.testing.assert_allclose(attn.decay.numpy(), lam, rtol=1e-7)
+    expected = _reference_linear(torch.nn.functional.silu(q), torch.nn.functional.silu(k), v, lam)
+    torch.testing.assert_close(attn.mix(q, k, v).double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_elu_mixer_matches_the_explicit_sum():
+    torch.manual_seed(0)
+    attn = Attention(16, 2, "elu", backend="torch")
+    q, k, v = attn.split_heads(torch.randn(1, 10, 16))
+    phi_q, phi_k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+    num = _reference_linear(phi_q, phi_k, v, [1.0, 1.0])
+    den = _reference_linear(phi_q, phi_k, torch.ones_like(v[..., :1]), [1.0, 1.0])
+    torch.testing.assert_close(attn.mix(q, k, v).double(), num / (den + 1e-6), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ATTENTIONS)
+def test_parameter_count_by_hand(kind):
+    vocab, d, layers = 17, 16, 2
+    hidden = 48  # 8 * 16 / 3 = 42.7, rounded up to a multiple of 8
+    per_block = 3 * d * d + d * d + 3 * d * hidden + 2 * d + (d if kind == "lightning" else 0)
+    assert _tiny(kind).n_params() == vocab * d + layers * per_block + d
+    assert Decoder(11, 8, 2, 1, kind, mlp_hidden=5).n_params() == 11 * 8 + 4 * 64 + 3 * 8 * 5 + 2 * 8 + \
+        (8 if kind == "lightning" else 0) + 8
+
+
+@pytest.mark.parametrize("kind", ATTENTIONS)
+def test_gradients_reach_every_parameter(kind):
+    model = _tiny(kind, decay=None if kind == "softmax" else "alibi")
+    tokens = torch.randint(0, 17, (2, 9), generator=torch.Generator().manual_seed(2))
+    model(tokens).logsumexp(-1).mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    assert all(not b.requires_grad for b in model.buffers())  # decays are fixed, not trained
+
+
+@pytest.mark.parametrize("kind", ATTENTIONS)
+def test_bf16_autocast_on_cpu(kind):
+    model = _tiny(kind)
+    tokens = torch.randint(0, 17, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(tokens)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), model(tokens), rtol=0, atol=2e-2)
+
+
+def test_decoder_errors():
+    with pytest.raises(ValueError, match="kind"):
+        Decoder(10, 16, 2, 1, "flash")
+    with pytest.raises(ValueError, match="multiple of heads"):
+        Decoder(10, 18, 4, 1, "lightning")
+    with pytest.raises(ValueError, match="even head"):
+        Decoder(10, 6, 2, 1, "softmax")
+    with pytest.raises(ValueError, match="decay"):
+        Decoder(10, 16, 2, 1, "softmax", decay="alibi")
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        Decoder(10, 16, 2, 1, "lightning", decay=1.5)
+    with pytest.raises(ValueError, match="unknown decay schedule"):
+        Decoder(10, 16, 2, 1, "lightning", decay="nope")
+    with pytest.raises(ValueError, match="backend"):
+        Decoder(10, 16, 2, 1, "lightning", backend="cuda")
+    with pytest.raises(TypeError, match="layers"):
+        Decoder(10, 16, 2, 1.0)
+    model = Decoder(10, 16, 2, 1, max_len=8)
+    with pytest.raises(ValueError, match="max_len"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(TypeError, match="tokens"):
+        model(torch.zeros(1, 4))
+
+
+# ---------------------------------------------------------------- MQAR
+
+def test_mqar_by_construction():
+    pairs, seq_len, vocab = 5, 40, 31
+    inputs, targets = mqar_batch(16, seq_len, pairs, vocab, seed=3)
+    assert inputs.shape == targets.shape == (16, seq_len) and inputs.dtype == targets.dtype == torch.int64
+    n_keys = (vocab - 1) // 2
+    for x, y in zip(inputs.tolist(), targets.tolist()):
+        keys, values = x[0:2 * pairs:2], x[1:2 * pairs:2]
+        assert len(set(keys)) == pairs and all(1 <= k <= n_keys for k in keys)
+        assert all(n_keys < v < vocab for v in values)
+        table = dict(zip(keys, values))
+        assert y[:2 * pairs] == [IGNORE_INDEX] * (2 * pairs)
+        queries = [(x[t], y[t]) for t in range(2 * pairs, seq_len) if y[t] != IGNORE_INDEX]
+        assert sorted(k for k, _ in queries) == sorted(keys)  # each key asked once
+        assert all(table[k] == v for k, v in queries)
+        rest = [x[t] for t in range(2 * pairs, seq_len) if y[t] == IGNORE_INDEX]
+        assert set(rest) <= {0}
+
+
+def test_mqar_is_deterministic_per_seed():
+    a, b, c = mqar_batch(4, 24, 3, 20, seed=7), mqar_batch(4, 24, 3, 20, seed=7), mqar_batch(4, 24, 3, 20, seed=8)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+    stream = mqar_batches(4, 24, 3, 20, seed=7)
+    first, second = next(stream), next(stream)
+    assert torch.equal(first[0], a[0]) and not torch.equal(first[0], second[0])
+
+
+def test_mqar_refuses_impossible_configs():
+    mqar_batch(1, 12, 4, 9)  # the smallest that fits: 4 keys in 1..4, seq 3 * 4
+    with pytest.raises(ValueError, match="vocab"):
+        mqar_batch(1, 12, 4, 8)
+    with pytest.raises(ValueError, match="seq_len"):
+        mqar_batch(1, 11, 4, 9)
+    with pytest.raises(ValueError, match="pairs"):
+        mqar_batch(1, 12, 0, 9)
+    with pytest.raises(TypeError, match="seed"):
+        mqar_batch(1, 12, 4, 9, seed=1.5)
+
+
+# ---------------------------------------------------------------- training
+
+def test_softmax_model_learns_mqar():
+    # Recall needs two layers: one to copy each key into the position of its value, one to match the query.
+    torch.manual_seed(0)
+    model = Decoder(32, 32, 4, 2, "softmax", max_len=32)
+    records = train(model, mqar_batches(32, 32, 4, 32, seed=1), steps=100, lr=3e-3, log_every=1, progress=False)
+    assert [r["step"] for r in records] == list(range(1, 101))
+    assert all(r["tokens_per_s"] > 0 for r in records)
+    first, last = records[0]["loss"], np.mean([r["loss"] for r in records[-10:]])
+    assert first > 3.0  # about log(32) at the start
+    # Guessing a value uniformly costs log(16), 80 % of the start: below 60 % some pairs are being recalled.
+    assert last < 0.6 * first
+    accuracy = evaluate_mqar(model, *mqar_batch(256, 32, 4, 32, seed=999))
+    assert 0.0 <= accuracy <= 1.0
+
+
+def test_lightning_model_trains_with_finite_losses():
+    torch.manual_seed(0)
+    model = Decoder(32, 32, 2, 2, "lightning", max_len=32, decay="minimax01", backend="torch")
+    records = train(model, mqar_batches(16, 32, 4, 32, seed=2), steps=12, lr=3e-3, log_every=4, progress=False)
+    assert [r["step"] for r in records] == [4, 8, 12]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_train_and_evaluate_errors():
+    model = Decoder(16, 16, 2, 1)
+    data = mqar_batches(2, 12, 2, 16)
+    with pytest.raises(ValueError, match="lr"):
+        train(model, data, steps=1, lr=0.0)
+    with pytest.raises(ValueError, match="autocast_dtype"):
+        train(model, data, steps=1, autocast_dtype=torch.float64)
+    with pytest.raises(ValueError, match="steps"):
+        train(model, data, steps=0)
+    with pytest.raises(TypeError, match="model"):
+        train(lambda x: x, data, steps=1)
+    with pytest.raises(ValueError, match="ran out"):
+        train(model, [mqar_batch(2, 12, 2, 16)], steps=2, progress=False)
+    x, y = mqar_batch(2, 12, 2, 16)
+    with pytest.raises(ValueError, match="query"):
+        evaluate_mqar(model, x, torch.full_like(y, IGNORE_INDEX))
+    with pytest.raises(ValueError, match="shape"):
+        evaluate_mqar(model, x, y[:, :5])
