@@ -21,7 +21,7 @@ BACKENDS = ("auto", "numpy", "torch", "triton")
 __all__ = [
     "BACKENDS", "KERNEL_DTYPES", "AttentionArgs", "StepArgs", "validate_attention_args", "validate_step_args",
     "validate_cu_seqlens", "validate_decay", "device_decay", "validate_block_size",
-    "validate_flag", "validate_choice", "validate_positive_int", "validate_kernel_dtype", "validate_head_dims",
+    "validate_flag", "validate_choice", "validate_int", "validate_positive_int", "validate_kernel_dtype", "validate_head_dims",
     "check_finite_scalar",
 ]
 
@@ -473,6 +473,15 @@ def validate_choice(name: str, value: Any, choices: tuple) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def validate_int(name: str, value: Any, minimum: int) -> int:
+    """A Python/numpy integer >= ``minimum`` (bool refused), e.g. a layer index or a count. Returns int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 def validate_positive_int(name: str, value: Any) -> int:

@@ -24,7 +24,6 @@ Weights start as in nanoGPT: normal(0, 0.02), norms at 1, no biases anywhere.
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
 import torch
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import lightning_attention, normalized_attention
+from ..validation import validate_int
 from .decay import decay_schedule
 
 __all__ = ["ATTENTIONS", "RMSNorm", "SwiGLU", "Attention", "Block", "Decoder", "rope_tables", "apply_rope"]
@@ -40,14 +40,6 @@ ATTENTIONS = ("softmax", "lightning", "elu")
 """The token mixers :class:`Attention` offers."""
 
 _BACKENDS = ("auto", "torch", "triton")
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
 
 
 class RMSNorm(nn.Module):
@@ -105,7 +97,7 @@ class Attention(nn.Module):
     def __init__(self, d_model: int, heads: int, kind: str = "softmax", *, max_len: int = 2048, decay=None,
                  layer: int = 0, layers: int = 1, backend: str = "auto") -> None:
         super().__init__()
-        d_model, heads, max_len = (_positive_int(n, v) for n, v in
+        d_model, heads, max_len = (validate_int(n, v, 1) for n, v in
                                    (("d_model", d_model), ("heads", heads), ("max_len", max_len)))
         if kind not in ATTENTIONS:
             raise ValueError(f"kind must be one of {ATTENTIONS}, got {kind!r}")
@@ -194,10 +186,10 @@ class Decoder(nn.Module):
     def __init__(self, vocab: int, d_model: int, heads: int, layers: int, attention: str = "softmax", *,
                  max_len: int = 2048, mlp_hidden: int | None = None, decay=None, backend: str = "auto") -> None:
         super().__init__()
-        vocab, layers, max_len = (_positive_int(n, v) for n, v in
+        vocab, layers, max_len = (validate_int(n, v, 1) for n, v in
                                   (("vocab", vocab), ("layers", layers), ("max_len", max_len)))
-        d_model = _positive_int("d_model", d_model)
-        mlp_hidden = 8 * math.ceil(8 * d_model / 3 / 8) if mlp_hidden is None else _positive_int("mlp_hidden", mlp_hidden)
+        d_model = validate_int("d_model", d_model, 1)
+        mlp_hidden = 8 * math.ceil(8 * d_model / 3 / 8) if mlp_hidden is None else validate_int("mlp_hidden", mlp_hidden, 1)
         self.vocab, self.max_len = vocab, max_len
         self.embed = nn.Embedding(vocab, d_model)
         self.blocks = nn.ModuleList(

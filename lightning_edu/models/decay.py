@@ -12,26 +12,18 @@ layers - 1 counted from zero.
 
 from __future__ import annotations
 
-import numbers
 
 import numpy as np
 
 from ..perf.bench import head_decays
+from ..validation import validate_int
 
 __all__ = ["SCHEDULES", "decay_schedule", "alibi", "fla_lightning", "minimax01"]
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_layer(layer, layers) -> tuple[int, int]:
-    layers = _check_int("layers", layers, 1)
-    layer = _check_int("layer", layer, 0)
+    layers = validate_int("layers", layers, 1)
+    layer = validate_int("layer", layer, 0)
     if layer >= layers:
         raise ValueError(f"layer must be in [0, layers - 1] = [0, {layers - 1}], got layer={layer}")
     return layer, layers
@@ -47,7 +39,7 @@ def alibi(heads: int, layer: int = 0, layers: int = 1) -> np.ndarray:
     (lambda_0 = exp(-2^(-8/H))), the last head slowest (lambda_{H-1} = exp(-1/256)).
     ``layer`` and ``layers`` are checked and otherwise unused.
     """
-    heads = _check_int("heads", heads, 1)
+    heads = validate_int("heads", heads, 1)
     _check_layer(layer, layers)
     return np.asarray(head_decays(heads), dtype=np.float64)
 
@@ -61,7 +53,7 @@ def fla_lightning(heads: int, layer: int = 0, layers: int = 1) -> np.ndarray:
     running sum); and deeper layers decay less, all heads tending to 1 as l / L grows (the last layer,
     l = L - 1, has log lambda_h = -(8 / H) h / L).
     """
-    heads = _check_int("heads", heads, 1)
+    heads = validate_int("heads", heads, 1)
     layer, layers = _check_layer(layer, layers)
     return np.exp(-(8.0 / heads) * (1.0 - layer / layers) * np.arange(heads, dtype=np.float64))
 
@@ -79,7 +71,7 @@ def minimax01(heads: int, layer: int = 0, layers: int = 1) -> np.ndarray:
     those of the nearest powers of two instead of using 2^(-8 (h + 1) / H). Both are left out here so that
     the formula above is the whole story.
     """
-    heads = _check_int("heads", heads, 1)
+    heads = validate_int("heads", heads, 1)
     layer, layers = _check_layer(layer, layers)
     factor = 1.0 if layers == 1 else 1.0 - layer / (layers - 1)
     slopes = 2.0 ** (-8.0 * (np.arange(heads, dtype=np.float64) + 1) / heads)

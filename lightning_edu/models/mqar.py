@@ -23,11 +23,12 @@ predict token t + 1, and the value is what should come after the query.
 
 from __future__ import annotations
 
-import numbers
 from typing import Iterator
 
 import numpy as np
 import torch
+
+from ..validation import validate_int
 
 __all__ = ["IGNORE_INDEX", "mqar_batch", "mqar_batches"]
 
@@ -35,16 +36,8 @@ IGNORE_INDEX = -100
 """The target of positions that carry no question (``torch.nn.functional.cross_entropy`` skips it)."""
 
 
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check(batch, seq_len, pairs, vocab) -> tuple[int, int, int, int]:
-    batch, seq_len, pairs, vocab = (_int(n, v, 1) for n, v in
+    batch, seq_len, pairs, vocab = (validate_int(n, v, 1) for n, v in
                                     (("batch", batch), ("seq_len", seq_len), ("pairs", pairs), ("vocab", vocab)))
     n_keys = (vocab - 1) // 2
     if n_keys < pairs or vocab - 1 - n_keys < 1:
@@ -77,12 +70,12 @@ def mqar_batch(batch: int, seq_len: int, pairs: int, vocab: int, seed: int = 0) 
     one value) and seq_len >= 3 pairs (the pairs, then one query per key); otherwise a ValueError.
     """
     batch, seq_len, pairs, vocab = _check(batch, seq_len, pairs, vocab)
-    return _sample(np.random.default_rng(_int("seed", seed, 0)), batch, seq_len, pairs, vocab)
+    return _sample(np.random.default_rng(validate_int("seed", seed, 0)), batch, seq_len, pairs, vocab)
 
 
 def mqar_batches(batch: int, seq_len: int, pairs: int, vocab: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """An endless stream of fresh MQAR batches from one generator seeded with ``seed`` (for training)."""
     batch, seq_len, pairs, vocab = _check(batch, seq_len, pairs, vocab)
-    rng = np.random.default_rng(_int("seed", seed, 0))
+    rng = np.random.default_rng(validate_int("seed", seed, 0))
     while True:
         yield _sample(rng, batch, seq_len, pairs, vocab)

@@ -17,18 +17,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .mqar import IGNORE_INDEX
+from ..validation import validate_int
 
 __all__ = ["train", "evaluate_mqar"]
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None):
@@ -54,7 +47,7 @@ def train(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    steps, log_every = _int("steps", steps, 1), _int("log_every", log_every, 1)
+    steps, log_every = validate_int("steps", steps, 1), validate_int("log_every", log_every, 1)
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
     if autocast_dtype is not None and autocast_dtype not in _AUTOCAST_DTYPES:
