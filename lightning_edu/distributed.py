@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from .api import lightning_attention
+from .torch_chunked import _powers  # lambda^n per head, in float64, rounded once
 from .validation import validate_attention_args, validate_choice, validate_flag, validate_positive_int
 
 __all__ = ["EXCHANGES", "sequence_parallel_attention", "communication_bytes", "run_on_cpu_ranks"]
@@ -305,13 +306,6 @@ class _Join(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------- the math
 
 
-def _decay_powers(lam: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """lambda[h] ** exponents[...] (integers >= 0), shape (1, heads, *exponents.shape), taken in float64 and
-    rounded once to ``dtype``; lambda = 1 gives exactly 1, a power that underflows gives 0."""
-    lam64 = lam.to(torch.float64).reshape(1, -1, *([1] * exponents.dim()))
-    return (lam64 ** exponents.to(device=lam.device, dtype=torch.float64)).to(dtype)
-
-
 def _prefix_states(carries: list[torch.Tensor], factors: list[torch.Tensor], upto: int) -> list[torch.Tensor]:
     """[IN_0 = 0 (None), IN_1, ..., IN_upto] with ``IN_{j+1} = factors[j] IN_j + carries[j]``: rank j's
     contribution decayed across each later slice it passes, one non-negative power at a time."""
@@ -325,7 +319,7 @@ def _correct(o_local: torch.Tensor, q: torch.Tensor, incoming: torch.Tensor, lam
     """``o_loc + diag(lambda^(t+1)) q IN``: the incoming state decayed to each local row t = 0..n_r - 1."""
     dtype = incoming.dtype
     rows = torch.arange(1, q.shape[2] + 1, device=q.device)
-    scale = _decay_powers(lam, rows, dtype).unsqueeze(-1)  # (1, heads, n_r, 1)
+    scale = _powers(lam, rows.to(lam.device), dtype)[None, ..., None]  # (1, heads, n_r, 1)
     return (o_local.to(dtype) + scale * (q.to(dtype) @ incoming)).to(o_local.dtype)
 
 
@@ -379,7 +373,7 @@ def sequence_parallel_attention(
     o_local, carry = lightning_attention(q, k, v, decay, backend=plan.backend, initial_state=initial_state,
                                          return_state=True)
     counts = torch.tensor(plan.counts, device=q.device)
-    factors = _decay_powers(lam, counts, carry.dtype)  # (1, heads, world): lambda^(n_j)
+    factors = _powers(lam, counts.to(lam.device), carry.dtype)[None]  # (1, heads, world): lambda^(n_j)
     factors = [factors[..., j, None, None] for j in range(plan.world)]  # each (1, heads, 1, 1)
     if plan.exchange == "allgather":
         carries = _GatherStates.apply(plan.group, carry)

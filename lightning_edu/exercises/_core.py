@@ -55,6 +55,26 @@ def passed(message: str) -> None:
     print(f"Correct: {message}" + (f" ({note})" if note else ""))
 
 
+def call_reader(fn, name: str, args, where: str = ""):
+    """``fn(*args)``, the reader's function; what it raises becomes an ExerciseError naming it (never a crash of
+    the check). ``where``: the inputs, as the message should name them ("for d_k = 5, ...")."""
+    try:
+        return fn(*args)
+    except ExerciseError:
+        raise
+    except Exception as exc:  # the reader's bug, reported, never a crash of the check
+        raise ExerciseError(f"your {name} raised {type(exc).__name__}{' ' + where if where else ''}: {exc}") from exc
+
+
+def exception_chain(exc: BaseException, limit: int = 8):
+    """``exc`` and the exceptions it was raised from or during, at most ``limit`` (Triton's interpreter wraps a
+    kernel's own exception in its own)."""
+    seen = 0
+    while exc is not None and seen < limit:
+        yield exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+
+
 def seeded(seed: int) -> np.random.Generator:
     """The generator of a check's extra inputs: its offset ``seed`` (never 0 here) drawn into a fresh stream."""
     return np.random.default_rng([7919, int(seed)])

@@ -18,7 +18,7 @@ import numpy as np
 from ..checks import random_qkv
 from ..numpy_blockwise import blockwise_forward
 from ..numpy_reference import decay_mask
-from ._core import ExerciseError, exercise, expect_close, expect_shape, passed, seeded, wrong_rows
+from ._core import ExerciseError, exception_chain, exercise, expect_close, expect_shape, passed, seeded, wrong_rows
 
 __all__ = ["check_decay_tile", "check_inter_block_kernel", "tolerance"]
 
@@ -35,12 +35,9 @@ def tolerance() -> float:
 
 
 def _launch_error(what: str, exc: Exception) -> ExerciseError:
-    chain, seen = exc, 0
-    while chain is not None and seen < 8:  # the interpreter may wrap the kernel's own exception
-        if isinstance(chain, NotImplementedError) or "NotImplementedError" in str(chain):
-            return ExerciseError(f"{what} is not implemented yet: it raised NotImplementedError. Write your code in "
-                                 "place of `raise NotImplementedError()`")
-        chain, seen = chain.__cause__ or chain.__context__, seen + 1
+    if any(isinstance(e, NotImplementedError) or "NotImplementedError" in str(e) for e in exception_chain(exc)):
+        return ExerciseError(f"{what} is not implemented yet: it raised NotImplementedError. Write your code in "
+                             "place of `raise NotImplementedError()`")
     return ExerciseError(
         f"{what} failed to run: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}. "
         "Check the kernel's signature against the exercise statement, and that every tl.dot side is >= 16"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..numpy_la3 import intra_dq, intra_dv
-from ._core import ExerciseError, exercise, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, call_reader, exercise, expect_shape, passed, wrong_rows
 
 __all__ = ["check_dv_phase", "check_dq_phase"]
 
@@ -32,12 +32,7 @@ def _inputs(case: int, rows: int, d_k: int, d_v: int, seed: int = 0):
 
 
 def _call(fn, name: str, args, shape):
-    try:
-        out = fn(*(a.copy() if isinstance(a, np.ndarray) else a for a in args))
-    except ExerciseError:
-        raise
-    except Exception as exc:  # the reader's bug, reported, never a crash of the check
-        raise ExerciseError(f"your {name} raised {type(exc).__name__}: {exc}") from exc
+    out = call_reader(fn, name, [a.copy() if isinstance(a, np.ndarray) else a for a in args])
     try:
         return expect_shape(name, out, shape).astype(np.float64)
     except ExerciseError:

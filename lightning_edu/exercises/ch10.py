@@ -23,7 +23,7 @@ import numpy as np
 from ..api import lightning_attention, lightning_attention_step
 from ..numpy_reference import causal_linear_recurrent
 from ..validation import validate_cu_seqlens, validate_decay, validate_positive_int
-from ._core import ExerciseError, exercise, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, call_reader, exercise, expect_shape, passed, wrong_rows
 
 __all__ = [
     "check_step",
@@ -74,15 +74,6 @@ def _as_array(name: str, out, shape) -> np.ndarray:
         raise ExerciseError(f"{name} is {type(out).__name__}, which is not an array of numbers: {exc}") from exc
 
 
-def _call(fn, name: str, args, where: str = ""):
-    try:
-        return fn(*args)
-    except ExerciseError:
-        raise
-    except Exception as exc:  # the reader's bug, reported, never a crash of the check
-        raise ExerciseError(f"your {name} raised {type(exc).__name__}{' ' + where if where else ''}: {exc}") from exc
-
-
 def _shape(x):
     try:
         return np.shape(x)
@@ -113,7 +104,7 @@ def _run_step(step, q, k, v, state, lam, where: str):
     """Call the reader's step on copies; return (o, new_state) as float64 arrays, or raise ExerciseError."""
     d_k, d_v = k.shape[0], v.shape[0]
     args = (q.copy(), k.copy(), v.copy(), state.copy(), lam)
-    out = _call(step, "step", args, where)
+    out = call_reader(step, "step", args, where)
     if out is None:
         raise ExerciseError("step returned None -- did you forget `return o, new_state`?")
     if not isinstance(out, (tuple, list)) or len(out) != 2:
@@ -283,7 +274,7 @@ def check_exposes_suspect(make_input) -> None:
     q, k: (total, d_k); v: (total, d_v), finite numbers; lam in (0, 1]; cu_seqlens: integers starting at 0,
     never decreasing, ending at total (an empty sequence repeats a boundary).
     """
-    out = _call(make_input, "make_input", ())
+    out = call_reader(make_input, "make_input", ())
     if out is None:
         raise ExerciseError("make_input returned None -- did you forget `return q, k, v, lam, cu_seqlens`?")
     if not isinstance(out, (tuple, list)) or len(out) != 5:
@@ -359,7 +350,7 @@ def _packed_mistake(packed_forward, q, k, v, lam, bounds, got, seed: int = 0) ->
         aq, ak, av = _qkv(1099 + seed, n, q.shape[1], v.shape[1])
         aligned = [0, 32, n]
         try:
-            probe = _as_array("o", _call(packed_forward, "packed_forward", (aq, ak, av, lam, list(aligned))),
+            probe = _as_array("o", call_reader(packed_forward, "packed_forward", (aq, ak, av, lam, list(aligned))),
                               (n, v.shape[1]))
         except ExerciseError:  # only a hint is at stake here
             probe = None
@@ -376,7 +367,7 @@ def _packed_mistake(packed_forward, q, k, v, lam, bounds, got, seed: int = 0) ->
                 "boundary, also mid-block")
     if lam != 1.0:
         try:
-            at_one = _as_array("o", _call(packed_forward, "packed_forward", (q.copy(), k.copy(), v.copy(), 1.0,
+            at_one = _as_array("o", call_reader(packed_forward, "packed_forward", (q.copy(), k.copy(), v.copy(), 1.0,
                                                                               list(bounds))), got.shape)
         except ExerciseError:  # only a hint is at stake here
             at_one = None
@@ -390,7 +381,7 @@ def _packed_mistake(packed_forward, q, k, v, lam, bounds, got, seed: int = 0) ->
 def _packed_compare(packed_forward, q, k, v, lam, bounds, where: str, seed: int = 0) -> None:
     total, d_v = v.shape
     got = _as_array(f"o (the output of packed_forward, {where})",
-                    _call(packed_forward, "packed_forward", (q.copy(), k.copy(), v.copy(), lam, list(bounds)), where),
+                    call_reader(packed_forward, "packed_forward", (q.copy(), k.copy(), v.copy(), lam, list(bounds)), where),
                     (total, d_v))
     ref = reference_packed_forward(q, k, v, lam, bounds)
     rows = wrong_rows(got, ref, rtol=_RTOL, axis=0)
@@ -435,7 +426,7 @@ def check_packed_forward(packed_forward, seed: int = 0) -> None:
     q, k, v = _qkv(1050 + seed, bounds[-1], d_k, d_v)
     v[nan_at, 1] = np.nan
     got = _as_array("o (the output of packed_forward, with a NaN in v)",
-                    _call(packed_forward, "packed_forward", (q.copy(), k.copy(), v.copy(), lam, list(bounds))),
+                    call_reader(packed_forward, "packed_forward", (q.copy(), k.copy(), v.copy(), lam, list(bounds))),
                     (bounds[-1], d_v))
     ref = reference_packed_forward(q, k, v, lam, bounds)
     nan_seq = _sequence_of(bounds, nan_at)

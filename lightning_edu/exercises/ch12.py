@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..numpy_reference import causal_linear_recurrent
-from ._core import ExerciseError, exercise, expect_shape, passed
+from ._core import ExerciseError, call_reader, exercise, expect_shape, passed
 
 __all__ = ["check_incoming_states", "local_states", "sequence_states"]
 
@@ -166,12 +166,7 @@ def check_incoming_states(incoming_states, seed: int = 0) -> None:
         where = (f"for {len(counts)} ranks holding {counts} tokens, lambda per head {lams}"
                  + ("" if with_s0 else ", a zero initial state"))
         args = ([x.copy() for x in states], list(counts), lam.copy(), s0.copy())
-        try:
-            out = incoming_states(*args)
-        except ExerciseError:
-            raise
-        except Exception as exc:  # the reader's bug, reported, never a crash of the check
-            raise ExerciseError(f"your incoming_states raised {type(exc).__name__} {where}: {exc}") from exc
+        out = call_reader(incoming_states, "incoming_states", args, where)
         if any(not np.array_equal(a, b) for a, b in zip(args[0], states)) or not np.array_equal(args[3], s0):
             raise ExerciseError(f"incoming_states changed its inputs in place {where}: build new arrays")
         got = _read(out, len(counts), (heads, d_k, d_v), where)

@@ -75,7 +75,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _integrity
-from ._core import ExerciseError, exercise, passed, seeded
+from ._core import ExerciseError, exception_chain, exercise, passed, seeded
 
 __all__ = [
     "STARTER",
@@ -278,11 +278,8 @@ def _matches(got, ref, rtol) -> bool:
 
 def _failure(exc: BaseException, what: str) -> ExerciseError:
     """A short message for an exception from the student's code (a Triton compile error is dozens of lines)."""
-    chain, seen = exc, 0
-    while chain is not None and seen < 8:  # the interpreter may wrap the kernel's own exception
-        if isinstance(chain, NotImplementedError):
-            return ExerciseError(f"{what}: your forward is not implemented yet (it raised NotImplementedError)")
-        chain, seen = chain.__cause__ or chain.__context__, seen + 1
+    if any(isinstance(e, NotImplementedError) for e in exception_chain(exc)):
+        return ExerciseError(f"{what}: your forward is not implemented yet (it raised NotImplementedError)")
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     summary = lines[0] if lines else ""
     if len(lines) > 1 and lines[-1] != summary:

@@ -426,6 +426,8 @@ def run_tiny(args, repeat: int = 200) -> dict:
     timed from the call to its gradients on the host clock (synchronised after each)."""
     import torch
 
+    from .measure import median_time
+
     data = environment_record("python -m lightning_edu.perf.bench " + " ".join(sys.argv[1:]))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     results = []
@@ -435,16 +437,8 @@ def run_tiny(args, repeat: int = 200) -> dict:
             row = {"method": name, "T": 256, "D": d, "batch": 1, "heads": 4, "dtype": args.dtype}
             try:
                 _, fwdbwd = METHODS[name].make(q, k, v, head_decays(4), do)
-                for _ in range(20):
-                    fwdbwd()
-                torch.cuda.synchronize()
-                samples = []
-                for _ in range(repeat):
-                    start = time.perf_counter()
-                    fwdbwd()
-                    torch.cuda.synchronize()
-                    samples.append(time.perf_counter() - start)
-                row["fwdbwd_wall_ms"] = float(np.median(samples) * 1e3)
+                synced = lambda: (fwdbwd(), torch.cuda.synchronize())  # noqa: E731
+                row["fwdbwd_wall_ms"] = median_time(synced, repeat=repeat, warmup=20) * 1e3
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             print(f"tiny {name:<18} D={d}: {row.get('fwdbwd_wall_ms', math.nan):.3f} ms", flush=True)
