@@ -647,13 +647,16 @@ def validate_single_head(q: Any, k: Any, v: Any = None) -> tuple:
 
 
 def validate_feature_input(name: str, x: Any, d: int, W: Any = None) -> None:
-    """The input of a learned feature map: last axis d; with torch weights ``W``, W's dtype and device."""
+    """The input of a learned feature map: last axis d; with torch weights ``W``, W's dtype and device (any
+    16-bit or float32 x under ``torch.autocast``, which casts both sides of the product itself)."""
     if _kind(x) is None:
         raise TypeError(f"{name} must be a numpy.ndarray or torch.Tensor, got {_describe(x)}")
     if x.ndim < 1 or x.shape[-1] != d:
         raise ValueError(f"{name} must have d = {d} as its last axis, got shape {tuple(x.shape)}")
     if W is not None:
-        if x.dtype != W.dtype:
+        import torch
+        autocast = torch.is_autocast_enabled(x.device.type) and x.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        if x.dtype != W.dtype and not autocast:
             raise TypeError(f"{name} must have the dtype of the map's weights ({W.dtype}), got {x.dtype}: convert "
                             f"the module with .to({x.dtype})")
         if x.device != W.device:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lightning_edu.models import (
-    ATTENTIONS, SCHEDULES, Attention, Decoder, decay_schedule, evaluate_mqar, mqar_batch, mqar_batches, train,
+    ATTENTIONS, SCHEDULES, SIZES, Attention, Decoder, decay_schedule, evaluate_mqar, llama, mqar_batch, mqar_batches,
+    tnl, train,
 )
 from lightning_edu.models.mqar import IGNORE_INDEX
 from lightning_edu.perf.bench import head_decays
@@ -84,7 +85,19 @@ def _tiny(kind, **kw):
     return Decoder(vocab=17, d_model=16, heads=2, layers=2, attention=kind, max_len=32, backend="torch", **kw)
 
 
-@pytest.mark.parametrize("kind", ATTENTIONS)
+# la1 is a Triton kernel (slow in the CPU interpreter: tested on its own below); fla is an optional package.
+CPU_KINDS = tuple(k for k in ATTENTIONS if k not in ("la1", "fla"))
+
+
+def _has_fla():
+    try:
+        import fla.ops.simple_gla  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kind", CPU_KINDS)
 def test_shapes_and_causality(kind):
     model = _tiny(kind)
     tokens = torch.randint(0, 17, (3, 12), generator=torch.Generator().manual_seed(1))
@@ -129,17 +142,75 @@ def test_elu_mixer_matches_the_explicit_sum():
     torch.testing.assert_close(attn.mix(q, k, v).double(), num / (den + 1e-6), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ATTENTIONS)
+def _extra(kind, d, heads):
+    return {"lightning": d, "la1": d, "fla": d, "relu2": (d // heads) ** 2}.get(kind, 0)
+
+
+@pytest.mark.parametrize("kind", CPU_KINDS)
 def test_parameter_count_by_hand(kind):
     vocab, d, layers = 17, 16, 2
     hidden = 48  # 8 * 16 / 3 = 42.7, rounded up to a multiple of 8
-    per_block = 3 * d * d + d * d + 3 * d * hidden + 2 * d + (d if kind == "lightning" else 0)
+    per_block = 3 * d * d + d * d + 3 * d * hidden + 2 * d + _extra(kind, d, 2)
     assert _tiny(kind).n_params() == vocab * d + layers * per_block + d
     assert Decoder(11, 8, 2, 1, kind, mlp_hidden=5).n_params() == 11 * 8 + 4 * 64 + 3 * 8 * 5 + 2 * 8 + \
-        (8 if kind == "lightning" else 0) + 8
+        _extra(kind, 8, 2) + 8
 
 
-@pytest.mark.parametrize("kind", ATTENTIONS)
+def test_named_sizes_and_families():
+    for size, expected in (("0.1B", 0.1095e9), ("0.4B", 0.3352e9)):
+        assert SIZES[size]["d_model"] // SIZES[size]["heads"] == 128
+        for model in (llama(32000, size), tnl(32000, size)):
+            assert abs(model.n_params() - expected) < 1e-3 * expected
+    small = tnl(50, "tiny", backend="torch")
+    attn = small.blocks[1].attn
+    assert attn.kind == "lightning" and attn.norm is not None and not small.blocks[0].mlp.activation
+    np.testing.assert_allclose(attn.decay.numpy(), decay_schedule("fla_lightning", 2, 1, 2), rtol=1e-7)
+    assert llama(50, "tiny").blocks[0].attn.kind == "softmax" and llama(50, "tiny").blocks[0].mlp.activation
+    with pytest.raises(ValueError, match="size"):
+        llama(50, "7B")
+    with pytest.raises(ValueError, match="TransNormerLLM"):
+        tnl(50, "tiny", attention="softmax")
+
+
+def test_simple_glu_has_no_activation():
+    torch.manual_seed(0)
+    model = Decoder(11, 8, 2, 1, "lightning", mlp="glu", backend="torch")
+    mlp = model.blocks[0].mlp
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(mlp(x), mlp.down(mlp.gate(x) * mlp.up(x)))
+    torch.testing.assert_close(mlp(2 * x), 4 * mlp(x))  # a product of two linear maps: homogeneous of degree 2
+
+
+@pytest.mark.parametrize("kind", ["softmax", "lightning", "relu2"])
+def test_checkpointing_changes_nothing(kind):
+    torch.manual_seed(0)
+    plain = _tiny(kind)
+    again = _tiny(kind)
+    again.checkpoint = True
+    tokens = torch.randint(0, 17, (2, 9), generator=torch.Generator().manual_seed(4))
+    for m in (plain, again):
+        m(tokens).logsumexp(-1).mean().backward()
+    for (name, p), (_, r) in zip(plain.named_parameters(), again.named_parameters()):
+        torch.testing.assert_close(r.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_la1_and_lightning_layers_agree():
+    # The same weights, the same function, two kernels: LA-1's tiled left product (Triton, here interpreted).
+    torch.manual_seed(0)
+    a = Attention(32, 2, "lightning", decay="alibi", backend="torch")
+    b = Attention(32, 2, "la1", decay="alibi")
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(1, 40, 32)
+    torch.testing.assert_close(b(x), a(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(_has_fla(), reason="fla is installed here: the refusal cannot be seen")
+def test_fla_refused_without_the_package():
+    with pytest.raises(ValueError, match="flash-linear-attention"):
+        Attention(16, 2, "fla")
+
+
+@pytest.mark.parametrize("kind", CPU_KINDS)
 def test_gradients_reach_every_parameter(kind):
     model = _tiny(kind, decay=None if kind == "softmax" else "alibi")
     tokens = torch.randint(0, 17, (2, 9), generator=torch.Generator().manual_seed(2))
@@ -150,7 +221,7 @@ def test_gradients_reach_every_parameter(kind):
     assert all(not b.requires_grad for b in model.buffers())  # decays are fixed, not trained
 
 
-@pytest.mark.parametrize("kind", ATTENTIONS)
+@pytest.mark.parametrize("kind", CPU_KINDS)
 def test_bf16_autocast_on_cpu(kind):
     model = _tiny(kind)
     tokens = torch.randint(0, 17, (2, 8), generator=torch.Generator().manual_seed(3))
@@ -175,6 +246,12 @@ def test_decoder_errors():
         Decoder(10, 16, 2, 1, "lightning", decay="nope")
     with pytest.raises(ValueError, match="backend"):
         Decoder(10, 16, 2, 1, "lightning", backend="cuda")
+    with pytest.raises(ValueError, match="mlp"):
+        Decoder(10, 16, 2, 1, "lightning", mlp="gelu")
+    with pytest.raises(TypeError, match="checkpoint"):
+        Decoder(10, 16, 2, 1, checkpoint=1)
+    with pytest.raises(ValueError, match="hybrid_block"):
+        Decoder(10, 16, 2, 1, "hybrid", hybrid_block=0)
     with pytest.raises(TypeError, match="layers"):
         Decoder(10, 16, 2, 1.0)
     model = Decoder(10, 16, 2, 1, max_len=8)

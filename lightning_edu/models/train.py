@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from .mqar import IGNORE_INDEX
 from ..validation import validate_int
 
-__all__ = ["train", "evaluate_mqar"]
+__all__ = ["train", "train_step", "evaluate_mqar"]
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -28,6 +28,24 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         return torch.autocast(device.type, enabled=False)
     return torch.autocast(device.type, dtype=dtype)
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: torch.Tensor, targets: torch.Tensor,
+               autocast_dtype: torch.dtype | None = None, grad_clip: float | None = 1.0) -> torch.Tensor:
+    """One optimiser step on one batch (already on the model's device); returns the loss, still on the device.
+
+    The loss is the cross-entropy of ``model(inputs)`` (batch, n, vocab) against ``targets``, positions with
+    target -100 skipped, computed in float32 whatever the autocast dtype of the forward pass.
+    """
+    with _autocast(inputs.device, autocast_dtype):
+        logits = model(inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip is not None:
+        nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return loss.detach()
 
 
 def train(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], steps: int, lr: float = 1e-3,
@@ -64,15 +82,7 @@ def train(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
             inputs, targets = next(it)
         except StopIteration:
             raise ValueError(f"batches ran out after {step - 1} of {steps} steps") from None
-        inputs, targets = inputs.to(device), targets.to(device)
-        with _autocast(device, autocast_dtype):
-            logits = model(inputs)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if grad_clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        opt.step()
+        loss = train_step(model, opt, inputs.to(device), targets.to(device), autocast_dtype, grad_clip)
         loss_sum, tokens = loss_sum + loss.item(), tokens + inputs.numel()
         if step % log_every == 0 or step == steps:
             n = step - (records[-1]["step"] if records else 0)
