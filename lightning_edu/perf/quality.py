@@ -46,10 +46,10 @@ PRESETS = {
         mqar=dict(d_model=32, heads=2, layers=2, seq_len=48, vocab=64, batch=32, steps=150, lr=3e-3,
                   pairs=(2, 4, 8), eval_batch=256)),
     "gpu": dict(
-        lm=dict(d_model=256, heads=4, layers=4, seq_len=512, batch=16, steps=2000, lr=1e-3, eval_every=100,
-                eval_windows=64, log_every=20, seeds=(0, 1)),
-        mqar=dict(d_model=128, heads=2, layers=2, seq_len=256, vocab=8192, batch=64, steps=1000, lr=1e-3,
-                  pairs=(4, 16, 64), eval_batch=512)),
+        lm=dict(d_model=256, heads=4, layers=4, seq_len=512, batch=16, steps=1500, lr=1e-3, eval_every=100,
+                eval_windows=64, log_every=20, seeds=(0,)),
+        mqar=dict(d_model=128, heads=2, layers=2, seq_len=128, vocab=256, batch=128, steps=1500, lr=2e-3,
+                  pairs=(8, 32), eval_batch=512)),
 }
 """Experiment sizes: "cpu" runs in about a minute on two cores, "gpu" is the recorded run."""
 
