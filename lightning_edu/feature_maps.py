@@ -156,7 +156,8 @@ class LearnedReLU2(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         validate_feature_input("x", x, self.d, self.W)
-        return F.relu(x @ self.W) ** 2
+        # In x's dtype even under CUDA autocast, which computes x @ W in 16 bits and ** 2 in float32.
+        return (F.relu(x @ self.W) ** 2).to(x.dtype)
 
     def numpy(self) -> ReLU2Projection:
         return ReLU2Projection(self.W.detach().cpu().double().numpy())
