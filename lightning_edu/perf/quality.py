@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 
 import numpy as np
@@ -109,10 +110,12 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=math.inf, help="seconds; later runs are skipped past it")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     preset = PRESETS[args.preset]
     device = "cuda" if args.preset == "gpu" else "cpu"
     autocast_dtype = torch.bfloat16 if device == "cuda" else None
-    record = {**environment_record(device=device), "preset": args.preset, "config": preset,
+    command = "python -m lightning_edu.perf.quality " + " ".join(argv)
+    record = {**environment_record(command, device=device), "preset": args.preset, "config": preset,
               "autocast": str(autocast_dtype), "lm": [], "mqar": [], "skipped": []}
     start = time.perf_counter()
 

@@ -26,9 +26,12 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 
-__all__ = ["MODELS", "PAPER_TABLE1", "build", "main"]
+import numpy as np
+
+__all__ = ["MODELS", "PAPER_TABLE1", "build", "fit_tgs", "main"]
 
 MODELS = ("tnl", "tnl_fla", "llama", "tnl_la1")
 
@@ -50,6 +53,23 @@ PAPER_TABLE1 = {
     },
 }
 """The Lightning Attention-2 paper's Table 1: TGS on 2 x A100 80GB at the contexts above (None: out of memory)."""
+
+
+def fit_tgs(contexts, tgs) -> tuple[float, float]:
+    """(a, b) of the straight line ``1 / TGS = a + b T`` fitted by least squares: seconds per token. (Chapter 13.)
+
+    a is what a token costs whatever the context (projections, MLP, output layer, optimiser); b what each token
+    of context adds to it (softmax attention and LA-1 compute about T / 2 scores per token). For lightning
+    attention b should be about 0. Points whose TGS is None (out of memory) are left out; at least two must remain.
+    """
+    pairs = [(float(T), float(x)) for T, x in zip(contexts, tgs) if x is not None]
+    if len(pairs) < 2:
+        raise ValueError(f"fit_tgs needs at least two measured points, got {len(pairs)}")
+    T, x = np.array(pairs).T
+    if not np.all(x > 0):
+        raise ValueError("every TGS must be > 0")
+    b, a = np.polyfit(T, 1.0 / x, 1)
+    return float(a), float(b)
 
 
 def build(model: str, size: str, vocab: int, max_len: int):
@@ -81,7 +101,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tgs: needs a CUDA GPU (training speed on a CPU says nothing about the GPU)")
-    record = {**environment_record(), "tokens_per_step": args.tokens, "vocab": args.vocab, "warmup": args.warmup,
+    argv = sys.argv[1:] if argv is None else argv
+    command = "python -m lightning_edu.perf.tgs " + " ".join(argv)
+    record = {**environment_record(command), "tokens_per_step": args.tokens, "vocab": args.vocab, "warmup": args.warmup,
               "steps": args.steps, "autocast": "bfloat16", "checkpointing": True, "results": [], "skipped": [],
               "paper": PAPER_TABLE1}
     start = time.perf_counter()
