@@ -1,7 +1,9 @@
 """A byte-level language-modelling task on text every Python installation carries: no download, no network.
 
 The corpus is the Python reference documentation that CPython ships as ``pydoc_data.topics`` (the text
-``help("with")`` prints): 79 topics, about 465 thousand characters of English prose with code examples.
+``help("with")`` prints): about 80 topics, about half a million bytes of English prose with code examples.
+Each Python version ships its own edition (3.11's holds 466 thousand bytes, 3.12's 500 thousand), so the
+corpus is that of the Python running the code; recorded runs name their Python version.
 Each byte is a token (vocabulary 256), so no tokenizer is needed and every model sees the same tokens.
 
 The topics are sorted by name and joined with blank lines; the first 90 % of the bytes are for training, the
@@ -47,11 +49,11 @@ def split_corpus(data: np.ndarray | None = None, valid_fraction: float = 0.1) ->
 def lm_batches(data: np.ndarray, batch: int, seq_len: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (inputs, targets) pairs, int64 (batch, seq_len): windows at random offsets, targets shifted by one."""
     batch, seq_len = validate_int("batch", batch, 1), validate_int("seq_len", seq_len, 1)
-    if len(data) < seq_len + 2:
+    if len(data) < seq_len + 1:
         raise ValueError(f"data holds {len(data)} bytes, too few for windows of seq_len + 1 = {seq_len + 1}")
     rng = np.random.default_rng(validate_int("seed", seed, 0))
     while True:
-        starts = rng.integers(0, len(data) - seq_len - 1, size=batch)
+        starts = rng.integers(0, len(data) - seq_len, size=batch)  # every window of seq_len + 1 bytes
         window = np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int64)
         yield torch.from_numpy(window[:, :-1]), torch.from_numpy(window[:, 1:])
 
@@ -62,7 +64,8 @@ def evaluate_lm(model: nn.Module, data: np.ndarray, seq_len: int, batch: int = 1
     """Mean cross-entropy (nats per byte) of ``model`` over ``data`` cut into consecutive windows of ``seq_len``.
 
     Windows do not overlap, so each byte is predicted once (from at most ``seq_len - 1`` bytes of context);
-    ``max_windows`` caps their number (the first ones). The model is put in eval mode.
+    ``max_windows`` caps their number (the first ones). The model runs in eval mode and is left in the mode it
+    was in.
     """
     seq_len, batch = validate_int("seq_len", seq_len, 2), validate_int("batch", batch, 1)
     n_windows = (len(data) - 1) // seq_len
@@ -71,6 +74,7 @@ def evaluate_lm(model: nn.Module, data: np.ndarray, seq_len: int, batch: int = 1
     if n_windows < 1:
         raise ValueError(f"data holds {len(data)} bytes, too few for one window of {seq_len} + 1")
     device = next(model.parameters()).device
+    was_training = model.training
     model.eval()
     total, count = 0.0, 0
     windows = np.stack([data[i * seq_len:(i + 1) * seq_len + 1] for i in range(n_windows)]).astype(np.int64)
@@ -80,7 +84,7 @@ def evaluate_lm(model: nn.Module, data: np.ndarray, seq_len: int, batch: int = 1
             logits = model(chunk[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), chunk[:, 1:].flatten(), reduction="sum")
         total, count = total + float(loss), count + chunk[:, 1:].numel()
-    model.train()
+    model.train(was_training)
     return total / count
 
 

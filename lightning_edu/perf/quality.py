@@ -105,7 +105,7 @@ def mqar_run(kind: str, cfg: dict, pairs: int, seed: int = 0, device="cpu", auto
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--only", choices=("lm", "mqar"), default=None)
     parser.add_argument("--budget", type=float, default=math.inf, help="seconds; later runs are skipped past it")
     parser.add_argument("--out", required=True)
@@ -113,6 +113,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     preset = PRESETS[args.preset]
     device = "cuda" if args.preset == "gpu" else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("quality: --preset gpu needs a CUDA GPU; use --preset cpu here")
     autocast_dtype = torch.bfloat16 if device == "cuda" else None
     command = "python -m lightning_edu.perf.quality " + " ".join(argv)
     record = {**environment_record(command, device=device), "preset": args.preset, "config": preset,

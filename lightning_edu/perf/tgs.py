@@ -62,6 +62,9 @@ def fit_tgs(contexts, tgs) -> tuple[float, float]:
     of context adds to it (softmax attention and LA-1 compute about T / 2 scores per token). For lightning
     attention b should be about 0. Points whose TGS is None (out of memory) are left out; at least two must remain.
     """
+    contexts, tgs = list(contexts), list(tgs)
+    if len(contexts) != len(tgs):
+        raise ValueError(f"contexts and tgs must have the same length, got {len(contexts)} and {len(tgs)}")
     pairs = [(float(T), float(x)) for T, x in zip(contexts, tgs) if x is not None]
     if len(pairs) < 2:
         raise ValueError(f"fit_tgs needs at least two measured points, got {len(pairs)}")
@@ -76,6 +79,8 @@ def build(model: str, size: str, vocab: int, max_len: int):
     """The decoder named ``model`` (one of :data:`MODELS`) at ``size``, with activation checkpointing."""
     from ..models import llama, tnl
 
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
     if model == "llama":
         return llama(vocab, size, max_len=max_len, checkpoint=True)
     attention = {"tnl": "lightning", "tnl_la1": "la1", "tnl_fla": "fla"}[model]

@@ -1,0 +1,548 @@
+"""The byte-level language model task (lightning_edu.models.lm) and the quality runner (lightning_edu.perf.quality)."""
+
+import copy
+import json
+import math
+import re
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_edu.models.lm import VOCAB, corpus_bytes, evaluate_lm, lm_batches, perplexity, split_corpus
+from lightning_edu.perf import quality
+from lightning_edu.perf.quality import KINDS, PRESETS, lm_run, mqar_run
+
+DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The models here are tiny: one thread is as fast, and a hundred times faster than two when another process
+    # keeps the CPU's cores busy (OpenMP threads then wait on each other).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return corpus_bytes()
+
+
+def _tiny():
+    """PRESETS["cpu"] shrunk to a few milliseconds per step."""
+    cfg = copy.deepcopy(PRESETS["cpu"])
+    cfg["lm"].update(d_model=16, heads=2, layers=1, seq_len=16, batch=4, steps=7, eval_every=3, eval_windows=4,
+                     log_every=2, seeds=(0,))
+    cfg["mqar"].update(d_model=16, heads=2, layers=1, seq_len=16, vocab=16, batch=4, steps=6, pairs=(2, 3),
+                       eval_batch=8)
+    return cfg
+
+
+def _n_params(vocab, d, layers, extra):
+    """The Decoder docstring's count: vocab d + layers (4 d^2 + 3 d h + 2 d + extra) + d, h = 8 ceil(d / 3)."""
+    h = 8 * math.ceil(8 * d / 3 / 8)
+    return vocab * d + layers * (4 * d * d + 3 * d * h + 2 * d + extra) + d
+
+
+# ---------------------------------------------------------------- the corpus
+
+def test_corpus_bytes(corpus):
+    assert isinstance(corpus, np.ndarray) and corpus.dtype == np.uint8 and corpus.ndim == 1
+    assert 300_000 < len(corpus) < 5_000_000
+    text = corpus.tobytes().decode("utf-8")  # raises if not valid UTF-8
+    assert 'The "with" statement is used to wrap the execution of a block' in text
+    assert "context manager" in text
+    np.testing.assert_array_equal(corpus_bytes(), corpus)  # deterministic
+    assert corpus.flags.writeable  # a copy, not a view of an immutable bytes object
+
+
+def test_corpus_is_the_sorted_topics_joined_by_blank_lines(corpus):
+    from pydoc_data.topics import topics
+
+    text = corpus.tobytes().decode("utf-8")
+    names = sorted(topics)
+    first, last = topics[names[0]].strip(), topics[names[-1]].strip()
+    assert text.startswith(first) and text.endswith(last)
+    # every topic, stripped, in name order, separated by exactly one blank line
+    pos = 0
+    for i, name in enumerate(names):
+        body = topics[name].strip()
+        assert text.startswith(body, pos), name
+        pos += len(body)
+        if i < len(names) - 1:
+            assert text.startswith("\n\n", pos) and text[pos + 2] not in "\n ", name
+            pos += 2
+    assert pos == len(text)
+
+
+def test_split_corpus_default(corpus):
+    train, valid = split_corpus()
+    assert train.dtype == valid.dtype == np.uint8
+    assert len(train) + len(valid) == len(corpus)
+    assert len(train) == round(0.9 * len(corpus))
+    np.testing.assert_array_equal(train, corpus[:len(train)])
+    np.testing.assert_array_equal(valid, corpus[len(train):])
+
+
+def test_split_corpus_given_data():
+    data = np.arange(200, dtype=np.uint8)
+    train, valid = split_corpus(data, valid_fraction=0.25)
+    np.testing.assert_array_equal(train, np.arange(150))
+    np.testing.assert_array_equal(valid, np.arange(150, 200))
+    train, valid = split_corpus(list(range(10)))  # array-likes are converted to uint8
+    assert train.dtype == np.uint8 and train.tolist() == list(range(9)) and valid.tolist() == [9]
+
+
+@pytest.mark.parametrize("bad", [0, 1, -0.1, 1.5, float("nan")])
+def test_split_corpus_bad_fraction(bad):
+    with pytest.raises(ValueError, match="valid_fraction"):
+        split_corpus(np.arange(100, dtype=np.uint8), valid_fraction=bad)
+
+
+# ---------------------------------------------------------------- training batches
+
+def test_lm_batches_windows_are_slices_of_the_data():
+    data = np.arange(200, dtype=np.uint8)  # every byte distinct: a window's first byte is its offset
+    batches = lm_batches(data, batch=5, seq_len=12, seed=3)
+    for _ in range(20):
+        x, y = next(batches)
+        assert x.shape == y.shape == (5, 12) and x.dtype == y.dtype == torch.int64
+        for row_x, row_y in zip(x.numpy(), y.numpy()):
+            s = int(row_x[0])
+            np.testing.assert_array_equal(row_x, data[s:s + 12])
+            np.testing.assert_array_equal(row_y, data[s + 1:s + 13])
+
+
+def test_lm_batches_offsets_spread_over_the_data():
+    data = np.arange(60, dtype=np.uint8)
+    starts = set()
+    batches = lm_batches(data, batch=64, seq_len=10, seed=0)
+    for _ in range(20):
+        starts.update(next(batches)[0][:, 0].tolist())
+    assert min(starts) == 0 and max(starts) >= 47  # not stuck at the beginning
+    assert all(0 <= s <= 60 - 11 for s in starts)  # every window fits
+
+
+def test_lm_batches_reaches_the_last_window():
+    data = np.arange(60, dtype=np.uint8)
+    starts = set()
+    batches = lm_batches(data, batch=64, seq_len=10, seed=0)
+    for _ in range(20):
+        starts.update(next(batches)[0][:, 0].tolist())
+    assert max(starts) == 60 - 11  # the window data[49:60] holds the last byte as its last target
+
+
+def test_lm_batches_accepts_exactly_one_window():
+    x, y = next(lm_batches(np.arange(17, dtype=np.uint8), batch=2, seq_len=16))
+    np.testing.assert_array_equal(x[0].numpy(), np.arange(16))
+
+
+def test_lm_batches_seeded():
+    data = np.random.default_rng(1).integers(0, 256, 5000).astype(np.uint8)
+    a, b, c = (lm_batches(data, 4, 32, seed=s) for s in (7, 7, 8))
+    for _ in range(3):
+        (xa, ya), (xb, yb), (xc, _) = next(a), next(b), next(c)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert not torch.equal(xa, xc)
+    # successive batches of one stream differ
+    assert not torch.equal(next(a)[0], next(a)[0])
+
+
+def test_lm_batches_errors():
+    data = np.arange(100, dtype=np.uint8)
+    with pytest.raises(ValueError, match="seq_len"):
+        next(lm_batches(np.arange(16, dtype=np.uint8), 2, 16))
+    with pytest.raises(ValueError, match="seq_len"):
+        next(lm_batches(data, 2, 0))
+    with pytest.raises(TypeError, match="batch"):
+        next(lm_batches(data, 2.0, 8))
+    with pytest.raises(TypeError, match="seq_len"):
+        next(lm_batches(data, 2, "8"))
+    with pytest.raises(ValueError, match="batch"):
+        next(lm_batches(data, 0, 8))
+    with pytest.raises(ValueError, match="seed"):
+        next(lm_batches(data, 2, 8, seed=-1))
+
+
+# ---------------------------------------------------------------- evaluation
+
+class _Zeros(nn.Module):
+    """Uniform predictions: every byte has probability 1/256."""
+
+    def __init__(self):
+        super().__init__()
+        self.dummy = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        return torch.zeros(*x.shape, VOCAB)
+
+
+class _Bigram(nn.Module):
+    """Logits that depend on the previous byte only: table[x] (a (256, 256) matrix). Records the batch sizes seen."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = nn.Parameter(torch.as_tensor(table, dtype=torch.float32))
+        self.calls = []
+
+    def forward(self, x):
+        self.calls.append(tuple(x.shape))
+        return self.table[x]
+
+
+def _bigram_loss(table, data, n_targets):
+    """Mean -log softmax(table[data[t-1]])[data[t]] over t = 1 .. n_targets, in float64 numpy."""
+    table = np.asarray(table, dtype=np.float64)
+    logz = np.log(np.exp(table - table.max(1, keepdims=True)).sum(1)) + table.max(1)
+    prev, nxt = data[:n_targets].astype(np.int64), data[1:n_targets + 1].astype(np.int64)
+    return float(np.mean(logz[prev] - table[prev, nxt]))
+
+
+def test_evaluate_uniform_model_is_ln256():
+    data = np.random.default_rng(0).integers(0, 256, 1000).astype(np.uint8)
+    model = _Zeros()
+    loss = evaluate_lm(model, data, seq_len=16, batch=5)
+    assert loss == pytest.approx(math.log(256), rel=1e-6)
+    assert perplexity(loss) == pytest.approx(256, rel=1e-5)
+    assert model.training  # left in train mode
+
+
+def test_evaluate_perfect_model_is_near_zero():
+    data = np.tile(np.arange(10, dtype=np.uint8), 100)
+    table = np.zeros((256, 256))
+    table[np.arange(10), (np.arange(10) + 1) % 10] = 50.0
+    loss = evaluate_lm(_Bigram(table), data, seq_len=8)
+    assert 0 <= loss < 1e-6
+    # and the same model on bytes it predicts wrongly (each followed by itself) pays ~50 nats a byte
+    assert evaluate_lm(_Bigram(table), np.full(100, 3, dtype=np.uint8), seq_len=8) == pytest.approx(50.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("seq_len,batch,max_windows", [(7, 3, None), (7, 16, None), (10, 4, 5), (10, 4, 10_000), (2, 1, 3)])
+def test_evaluate_counts_each_byte_once(seq_len, batch, max_windows):
+    rng = np.random.default_rng(seq_len * 100 + batch)
+    data = rng.integers(0, 256, 203).astype(np.uint8)
+    table = rng.normal(0, 2, (256, 256))
+    model = _Bigram(table)
+    loss = evaluate_lm(model, data, seq_len=seq_len, batch=batch, max_windows=max_windows)
+    n_windows = (len(data) - 1) // seq_len if max_windows is None else min((len(data) - 1) // seq_len, max_windows)
+    assert loss == pytest.approx(_bigram_loss(table, data, n_windows * seq_len), rel=1e-5)
+    # windows of seq_len inputs, at most `batch` at a time, n_windows in all
+    assert all(shape[1] == seq_len and shape[0] <= batch for shape in model.calls)
+    assert sum(shape[0] for shape in model.calls) == n_windows
+    assert model.training
+
+
+def test_evaluate_max_windows_caps_to_the_first_windows():
+    data = np.concatenate([np.zeros(41, dtype=np.uint8), np.arange(100, 200, dtype=np.uint8)])
+    table = np.zeros((256, 256))
+    table[0, 0] = 30.0  # certain that 0 follows 0
+    # the first 4 windows of 10 (targets data[1:41]) are all zeros -> loss ~0; more windows reach the rest
+    assert evaluate_lm(_Bigram(table), data, seq_len=10, max_windows=4) < 1e-6
+    assert evaluate_lm(_Bigram(table), data, seq_len=10, max_windows=5) > 1.0
+
+
+def test_evaluate_no_grad():
+    model = _Bigram(np.zeros((256, 256)))
+    seen = []
+    model.register_forward_hook(lambda m, i, o: seen.append(o.requires_grad))
+    evaluate_lm(model, np.arange(50, dtype=np.uint8), seq_len=8)
+    assert seen and not any(seen)
+    assert model.table.grad is None
+
+
+def test_evaluate_leaves_the_mode_as_it_was():
+    model = _Zeros()
+    for training in (True, False):
+        model.train(training)
+        evaluate_lm(model, np.arange(50, dtype=np.uint8), seq_len=8)
+        assert model.training is training
+
+
+def test_evaluate_errors():
+    model = _Zeros()
+    with pytest.raises(ValueError, match="too few"):
+        evaluate_lm(model, np.arange(16, dtype=np.uint8), seq_len=16)  # needs seq_len + 1 bytes
+    assert evaluate_lm(model, np.arange(17, dtype=np.uint8), seq_len=16) == pytest.approx(math.log(256), rel=1e-6)
+    with pytest.raises(ValueError, match="seq_len"):
+        evaluate_lm(model, np.arange(100, dtype=np.uint8), seq_len=1)
+    with pytest.raises(ValueError, match="max_windows"):
+        evaluate_lm(model, np.arange(100, dtype=np.uint8), seq_len=8, max_windows=0)
+    with pytest.raises(TypeError, match="batch"):
+        evaluate_lm(model, np.arange(100, dtype=np.uint8), seq_len=8, batch=2.5)
+
+
+def test_perplexity():
+    for loss in (0.0, 0.5, 1.3, math.log(256)):
+        assert perplexity(loss) == pytest.approx(math.exp(loss), rel=1e-15)
+    assert perplexity(0.0) == 1.0
+    assert perplexity(math.log(2) * 1.5) == pytest.approx(2 ** 1.5)  # 1.5 bits per byte
+
+
+# ---------------------------------------------------------------- quality: presets and runs
+
+def test_kinds_and_presets():
+    assert KINDS == ("softmax", "lightning", "elu", "relu2", "hybrid")
+    assert set(PRESETS) == {"cpu", "gpu"}
+    for preset in PRESETS.values():
+        lm, mqar = preset["lm"], preset["mqar"]
+        for key in ("d_model", "heads", "layers", "seq_len", "batch", "steps", "lr", "eval_every", "eval_windows",
+                    "log_every", "seeds"):
+            assert key in lm
+        for key in ("d_model", "heads", "layers", "seq_len", "vocab", "batch", "steps", "lr", "pairs", "eval_batch"):
+            assert key in mqar
+        for cfg in (lm, mqar):
+            assert cfg["d_model"] % cfg["heads"] == 0 and (cfg["d_model"] // cfg["heads"]) % 2 == 0  # RoPE
+        assert mqar["vocab"] >= 2 * max(mqar["pairs"]) + 1 and mqar["seq_len"] >= 3 * max(mqar["pairs"])
+        assert lm["steps"] % lm["log_every"] == 0
+        json.dumps(preset)  # recorded as JSON
+
+
+LM_KEYS = {"kind", "seed", "params", "train_curve", "valid_curve", "best_valid_loss", "best_step", "seconds"}
+
+
+@pytest.fixture(scope="module")
+def lm_records():
+    cfg = _tiny()["lm"]
+    return {kind: lm_run(kind, cfg, seed=0) for kind in ("softmax", "lightning")}
+
+
+@pytest.mark.parametrize("kind", ["softmax", "lightning"])
+def test_lm_run_record(lm_records, kind):
+    r = lm_records[kind]
+    assert set(r) == LM_KEYS
+    assert r["kind"] == kind and r["seed"] == 0
+    assert [s for s, _ in r["train_curve"]] == [2, 4, 6]  # every log_every; step 7 has no full interval
+    assert [s for s, _ in r["valid_curve"]] == [3, 6, 7]  # every eval_every, and the last step
+    losses = [v for _, v in r["train_curve"] + r["valid_curve"]]
+    assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in losses)
+    assert r["best_valid_loss"] == min(v for _, v in r["valid_curve"])
+    assert [r["best_step"], r["best_valid_loss"]] in r["valid_curve"]
+    # a fresh model (weights ~ N(0, 0.02)) predicts nearly uniformly: ln 256 nats per byte, not bits
+    assert abs(r["train_curve"][0][1] - math.log(256)) < 0.3
+    assert r["valid_curve"][-1][1] < math.log(256) + 0.3
+    assert r["seconds"] > 0
+    extra = 16 if kind == "lightning" else 0  # the lightning kinds' output RMSNorm
+    assert r["params"] == _n_params(VOCAB, 16, 1, extra)
+    json.dumps(r)
+
+
+def test_lm_run_is_deterministic_and_takes_data(lm_records):
+    cfg = _tiny()["lm"]
+    again = lm_run("softmax", cfg, seed=0, data=split_corpus())
+    for key in ("train_curve", "valid_curve", "best_valid_loss", "best_step", "params"):
+        assert again[key] == lm_records["softmax"][key]
+    # other data, other losses
+    rng = np.random.default_rng(0)
+    other = lm_run("softmax", cfg, seed=0, data=(rng.integers(0, 256, 3000).astype(np.uint8),
+                                                 rng.integers(0, 256, 500).astype(np.uint8)))
+    assert other["valid_curve"] != lm_records["softmax"]["valid_curve"]
+    assert other["best_valid_loss"] > 5.0  # random bytes cannot be predicted: near ln 256
+
+
+def test_lm_run_best_is_the_lowest_not_the_last(monkeypatch):
+    cfg = _tiny()["lm"]
+    losses = iter([3.0, 1.0, 2.0])  # the validation loss rises after step 6 (memorising)
+    calls = []
+
+    def fake_evaluate(model, data, seq_len, max_windows=None, autocast_dtype=None):
+        calls.append((len(data), seq_len, max_windows))
+        return next(losses)
+
+    monkeypatch.setattr(quality, "evaluate_lm", fake_evaluate)
+    valid = np.arange(100, dtype=np.uint8)
+    r = lm_run("softmax", cfg, data=((np.arange(1000) % 256).astype(np.uint8), valid))
+    assert r["valid_curve"] == [[3, 3.0], [6, 1.0], [7, 2.0]]
+    assert r["best_valid_loss"] == 1.0 and r["best_step"] == 6
+    assert calls == [(100, 16, 4)] * 3  # the validation bytes, windows of seq_len, eval_windows of them
+
+
+def test_same_initial_weights_where_shapes_agree():
+    cfg = _tiny()["lm"]
+    a, b = (quality._model(kind, VOCAB, cfg, 16, 0, "cpu") for kind in ("softmax", "lightning"))
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    shared = [n for n in pa if n in pb and pa[n].shape == pb[n].shape]
+    assert "embed.weight" in shared and "blocks.0.attn.qkv.weight" in shared
+    for name in shared:
+        assert torch.equal(pa[name], pb[name]), name
+    assert b.blocks[0].attn.kind == "lightning"
+    assert b.blocks[0].attn.decay[0] == 1.0 and b.blocks[0].attn.decay[1] < 1.0  # fla_lightning: head 0 never decays
+
+
+MQAR_KEYS = {"kind", "pairs", "seed", "accuracy", "final_loss", "seconds"}
+
+
+@pytest.mark.parametrize("kind", ["softmax", "lightning"])
+def test_mqar_run_record(kind):
+    cfg = _tiny()["mqar"]
+    r = mqar_run(kind, cfg, pairs=3, seed=1)
+    assert set(r) == MQAR_KEYS
+    assert r["kind"] == kind and r["pairs"] == 3 and r["seed"] == 1
+    assert 0.0 <= r["accuracy"] <= 1.0
+    n_queries = cfg["eval_batch"] * 3  # one query per key
+    assert r["accuracy"] * n_queries == pytest.approx(round(r["accuracy"] * n_queries), abs=1e-4)
+    assert math.isfinite(r["final_loss"]) and r["final_loss"] > 0
+    assert r["seconds"] > 0
+    assert mqar_run(kind, cfg, pairs=3, seed=1)["accuracy"] == r["accuracy"]  # deterministic
+
+
+def test_mqar_run_refuses_too_many_pairs():
+    cfg = _tiny()["mqar"]  # vocab 16 holds 7 keys, seq_len 16 holds 5 pairs
+    with pytest.raises(ValueError, match="seq_len"):
+        mqar_run("softmax", cfg, pairs=6)
+
+
+# ---------------------------------------------------------------- quality: the command line
+
+def _fake_clock():
+    now = [0.0]
+    return now, types.SimpleNamespace(perf_counter=lambda: now[0])
+
+
+def test_main_budget_zero_skips_everything(tmp_path):
+    out = tmp_path / "q.json"
+    argv = ["--preset", "cpu", "--kinds", "softmax", "--only", "mqar", "--budget", "0", "--out", str(out)]
+    assert quality.main(argv) == 0
+    record = json.loads(out.read_text())
+    assert record["lm"] == [] and record["mqar"] == []
+    assert record["skipped"] == [f"mqar softmax pairs {p}" for p in PRESETS["cpu"]["mqar"]["pairs"]]
+    assert "corpus" not in record  # --only mqar: the language model is not touched
+    assert record["command"] == "python -m lightning_edu.perf.quality " + " ".join(argv)
+    assert record["command"].startswith("python -m lightning_edu.perf.quality")
+    assert isinstance(record["machine"], str) and record["machine"]
+    assert "commit" in record
+    assert record["commit"] is None or re.fullmatch(r"[0-9a-f]{40}(\+local changes)?", record["commit"])
+    assert record["preset"] == "cpu" and record["autocast"] == "None"
+    assert record["config"] == json.loads(json.dumps(PRESETS["cpu"]))
+
+
+def test_main_budget_skips_later_runs(tmp_path, monkeypatch):
+    now, clock = _fake_clock()
+    monkeypatch.setattr(quality, "time", clock)
+    calls = []
+
+    def fake_mqar(kind, cfg, pairs, seed, device, autocast_dtype):
+        calls.append((kind, pairs))
+        now[0] += 10.0  # each run takes ten (fake) seconds
+        return {"kind": kind, "pairs": pairs, "seed": seed, "accuracy": 0.5, "final_loss": 1.0, "seconds": 10.0}
+
+    monkeypatch.setattr(quality, "mqar_run", fake_mqar)
+    out = tmp_path / "q.json"
+    quality.main(["--kinds", "softmax", "elu", "--only", "mqar", "--budget", "15", "--out", str(out)])
+    # pairs outer, kinds inner; runs start at t = 0 and 10 (within 15 s), later ones are skipped
+    assert calls == [("softmax", 2), ("elu", 2)]
+    record = json.loads(out.read_text())
+    assert [(r["kind"], r["pairs"]) for r in record["mqar"]] == calls
+    assert record["skipped"] == ["mqar softmax pairs 4", "mqar elu pairs 4", "mqar softmax pairs 8",
+                                 "mqar elu pairs 8"]
+
+
+def test_main_trains_tiny_preset(tmp_path, monkeypatch, capsys, corpus):
+    tiny = _tiny()
+    monkeypatch.setitem(quality.PRESETS, "cpu", tiny)
+    out = tmp_path / "q.json"
+    assert quality.main(["--kinds", "softmax", "lightning", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["skipped"] == []
+    assert record["config"] == json.loads(json.dumps(tiny))
+    assert record["corpus"]["source"] == "pydoc_data.topics"
+    assert record["corpus"]["train_bytes"] + record["corpus"]["valid_bytes"] == len(corpus)
+    assert record["corpus"]["train_bytes"] == round(0.9 * len(corpus))
+    assert [r["kind"] for r in record["lm"]] == ["softmax", "lightning"]
+    assert [(r["kind"], r["pairs"]) for r in record["mqar"]] == [
+        ("softmax", 2), ("lightning", 2), ("softmax", 3), ("lightning", 3)]
+    for r in record["lm"]:
+        assert set(r) == LM_KEYS and r["best_valid_loss"] == min(v for _, v in r["valid_curve"])
+    for r in record["mqar"]:
+        assert set(r) == MQAR_KEYS and 0 <= r["accuracy"] <= 1
+    printed = capsys.readouterr().out
+    for r in record["lm"]:
+        assert f"lm {r['kind']} seed 0: {r['best_valid_loss']:.4f}" in printed
+    for r in record["mqar"]:
+        assert f"mqar {r['kind']} {r['pairs']}: {r['accuracy']:.3f}" in printed
+
+
+def test_main_argument_errors(tmp_path):
+    with pytest.raises(SystemExit):
+        quality.main(["--preset", "tpu", "--out", str(tmp_path / "q.json")])
+    with pytest.raises(SystemExit):
+        quality.main(["--only", "both", "--out", str(tmp_path / "q.json")])
+    with pytest.raises(SystemExit):
+        quality.main(["--preset", "cpu"])  # --out is required
+    with pytest.raises(SystemExit):
+        quality.main(["--kinds", "bogus", "--budget", "0", "--out", str(tmp_path / "q.json")])  # refused up front
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            quality.main(["--preset", "gpu", "--out", str(tmp_path / "q.json")])
+    assert not (tmp_path / "q.json").exists()
+
+
+# ---------------------------------------------------------------- the recorded runs
+
+def _load(name):
+    path = DATA / name
+    if not path.exists():
+        pytest.skip(f"{name} not recorded")
+    return json.loads(path.read_text())
+
+
+def _records(record, key):
+    """The result records of a quality file: "results", or "lm"/"mqar", or those of each of several "runs"."""
+    if "runs" in record:
+        return [r for run in record["runs"] for r in _records(run, key)]
+    return record["results"] if "results" in record else record[key]
+
+
+def _headers(record):
+    return record["runs"] if "runs" in record else [record]
+
+
+def _check_header(header):
+    assert "H100" in header["machine"]
+    assert re.fullmatch(r"[0-9a-f]{40}", header["commit"])
+    assert header["command"].startswith("python -m lightning_edu.perf.quality")
+    assert header["preset"] == "gpu"
+    assert header["config"] == json.loads(json.dumps(PRESETS["gpu"]))  # the preset of the code is the recorded one
+
+
+def test_recorded_lm():
+    record = _load("quality_lm_h100.json")
+    for header in _headers(record):
+        _check_header(header)
+        assert header["corpus"]["source"] == "pydoc_data.topics"
+        total = header["corpus"]["train_bytes"] + header["corpus"]["valid_bytes"]
+        assert header["corpus"]["train_bytes"] == round(0.9 * total) and total > 300_000
+    lm = _records(record, "lm")
+    cfg = PRESETS["gpu"]["lm"]
+    assert sorted(r["kind"] for r in lm) == sorted(KINDS)  # each attention once
+    for r in lm:
+        assert set(r) >= LM_KEYS
+        valid = [v for _, v in r["valid_curve"]]
+        assert r["best_valid_loss"] == min(valid)
+        assert [r["best_step"], r["best_valid_loss"]] in r["valid_curve"]
+        assert [s for s, _ in r["valid_curve"]] == list(range(cfg["eval_every"], cfg["steps"] + 1, cfg["eval_every"]))
+        assert [s for s, _ in r["train_curve"]] == list(range(cfg["log_every"], cfg["steps"] + 1, cfg["log_every"]))
+        assert all(math.isfinite(v) and 0 < v < math.log(256) + 1 for _, v in r["train_curve"] + r["valid_curve"])
+
+
+def test_recorded_mqar():
+    record = _load("quality_mqar_h100.json")
+    for header in _headers(record):
+        _check_header(header)
+    cfg = PRESETS["gpu"]["mqar"]
+    runs = _records(record, "mqar")
+    skipped = [s for header in _headers(record) for s in header.get("skipped", [])]
+    done = {(r["kind"], r["pairs"]) for r in runs}
+    assert len(done) == len(runs)  # no point measured twice
+    left = {(m.group(1), int(m.group(2))) for m in (re.fullmatch(r"mqar (\w+) pairs (\d+)", s) for s in skipped)}
+    assert done | left == {(k, p) for k in KINDS for p in cfg["pairs"]}
+    for r in runs:
+        assert set(r) >= MQAR_KEYS
+        assert 0 <= r["accuracy"] <= 1
+        n_queries = cfg["eval_batch"] * r["pairs"]
+        assert r["accuracy"] * n_queries == pytest.approx(round(r["accuracy"] * n_queries), abs=1e-6)
