@@ -43,7 +43,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.utils.checkpoint import checkpoint
 
 from ..api import hybrid_attention, lightning_attention, normalized_attention
@@ -58,7 +57,6 @@ ATTENTIONS = ("softmax", "lightning", "la1", "fla", "elu", "relu2", "hybrid")
 """The token mixers :class:`Attention` offers."""
 
 _LIGHTNING = ("lightning", "la1", "fla")  # one function (SiLU features, decay, output norm), three kernels
-_NORMALIZED = ("elu", "relu2", "hybrid")  # a feature map and a normaliser (chapter 11)
 
 MLPS = ("swiglu", "glu")
 """The channel mixers: LLaMA's SwiGLU, TransNormerLLM's simple GLU (no activation)."""
@@ -82,7 +80,7 @@ class SwiGLU(nn.Module):
     """The gated MLP: down(SiLU(gate(x)) * up(x)), three bias-free (d_model x hidden) matrices.
 
     With ``activation=False`` it is TransNormerLLM's simple GLU, down(gate(x) * up(x)): the product of two
-    projections is already nonlinear in x, and the paper reports no loss from dropping the SiLU.
+    projections is already nonlinear in x, and TransNormerLLM's paper reports no loss from dropping the SiLU.
     """
 
     def __init__(self, d_model: int, hidden: int, activation: bool = True) -> None:
@@ -156,7 +154,7 @@ class Attention(nn.Module):
         else:
             lambdas = self._lambdas(decay, layer, layers)
             self.register_buffer("decay", torch.tensor(lambdas, dtype=torch.float32))
-            # la1 and fla take the lambdas from the host; kept as floats so no call reads them back from a GPU.
+            # la1 takes the lambdas from the host: kept as floats so that no call reads them back from a GPU.
             self._decay_floats = [float(x) for x in lambdas]
 
     def _lambdas(self, decay, layer: int, layers: int) -> np.ndarray:
@@ -294,8 +292,8 @@ SIZES = {
     "0.4B": dict(d_model=1024, heads=8, layers=24),
 }
 """Named model sizes (width, heads, depth), after the paper's Table 1 rows. With a 32000-token vocabulary (LLaMA's)
-"0.1B" holds 0.11 billion weights and "0.4B" 0.34 billion (0.37 with TransNormerLLM's 64000 tokens); heads of
-128 dimensions. "tiny" is for a CPU."""
+"0.1B" holds 0.11 billion weights and "0.4B" 0.34 billion, both with heads of 128 dimensions. "tiny" (heads of 32)
+is for a CPU."""
 
 
 def _size(size: str) -> dict:
