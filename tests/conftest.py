@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 # Triton decides at decoration time whether a kernel runs in its CPU interpreter: set this before any
@@ -16,3 +17,14 @@ from hypothesis import settings
 # CI has 2 cores; keep property tests quick and free of flaky deadlines.
 settings.register_profile("ci", max_examples=40, deadline=None)
 settings.load_profile("ci")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the block, the previous count restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -16,6 +16,8 @@ from lightning_edu.models.lm import VOCAB, corpus_bytes, evaluate_lm, lm_batches
 from lightning_edu.perf import quality
 from lightning_edu.perf.quality import KINDS, PRESETS, lm_run, mqar_run
 
+from conftest import torch_threads
+
 DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
 
 
@@ -23,10 +25,8 @@ DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
 def _one_thread():
     # The models here are tiny: one thread is as fast, and a hundred times faster than two when another process
     # keeps the CPU's cores busy (OpenMP threads then wait on each other).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -119,22 +119,23 @@ def test_lm_batches_windows_are_slices_of_the_data():
             np.testing.assert_array_equal(row_y, data[s + 1:s + 13])
 
 
-def test_lm_batches_offsets_spread_over_the_data():
-    data = np.arange(60, dtype=np.uint8)
+def _window_starts(data, seq_len=10, draws=20):
+    """The first byte of every window lm_batches drew (data is np.arange, so a window's first byte is its start)."""
     starts = set()
-    batches = lm_batches(data, batch=64, seq_len=10, seed=0)
-    for _ in range(20):
+    batches = lm_batches(data, batch=64, seq_len=seq_len, seed=0)
+    for _ in range(draws):
         starts.update(next(batches)[0][:, 0].tolist())
+    return starts
+
+
+def test_lm_batches_offsets_spread_over_the_data():
+    starts = _window_starts(np.arange(60, dtype=np.uint8))
     assert min(starts) == 0 and max(starts) >= 47  # not stuck at the beginning
     assert all(0 <= s <= 60 - 11 for s in starts)  # every window fits
 
 
 def test_lm_batches_reaches_the_last_window():
-    data = np.arange(60, dtype=np.uint8)
-    starts = set()
-    batches = lm_batches(data, batch=64, seq_len=10, seed=0)
-    for _ in range(20):
-        starts.update(next(batches)[0][:, 0].tolist())
+    starts = _window_starts(np.arange(60, dtype=np.uint8))
     assert max(starts) == 60 - 11  # the window data[49:60] holds the last byte as its last target
 
 

@@ -13,13 +13,13 @@ from lightning_edu.models import (
 from lightning_edu.models.mqar import IGNORE_INDEX
 from lightning_edu.perf.bench import head_decays
 
+from conftest import torch_threads
+
 
 @pytest.fixture(autouse=True)
 def _two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(2):
+        yield
 
 
 # ---------------------------------------------------------------- decay schedules

@@ -14,6 +14,8 @@ from lightning_edu.models import SIZES, Decoder, decay_schedule
 from lightning_edu.perf import tgs
 from lightning_edu.perf.tgs import MODELS, PAPER_TABLE1, build
 
+from conftest import torch_threads
+
 DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
 HAS_FLA = importlib.util.find_spec("fla") is not None
 
@@ -22,10 +24,8 @@ HAS_FLA = importlib.util.find_spec("fla") is not None
 def _one_thread():
     # The models here are tiny: one thread is as fast, and a hundred times faster than two when another process
     # keeps the CPU's cores busy (OpenMP threads then wait on each other).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def _n_params(vocab, d, layers, extra):

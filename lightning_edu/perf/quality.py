@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from ..models import Decoder, evaluate_mqar, mqar_batch, mqar_batches
+from ..models import Decoder, evaluate_mqar, mqar_batch, mqar_batches, train
 from ..models.lm import VOCAB, evaluate_lm, lm_batches, split_corpus
 from ..models.train import train_step
 from .environment import environment_record
@@ -88,17 +88,15 @@ def mqar_run(kind: str, cfg: dict, pairs: int, seed: int = 0, device="cpu", auto
     """Train one model on MQAR with ``pairs`` key-value pairs; returns its accuracy on fresh sequences."""
     device = torch.device(device)
     model = _model(kind, cfg["vocab"], cfg, cfg["seq_len"], seed, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
     batches = mqar_batches(cfg["batch"], cfg["seq_len"], pairs, cfg["vocab"], seed=seed)
     t0 = time.perf_counter()
-    for _ in range(cfg["steps"]):
-        inputs, targets = next(batches)
-        model.train()
-        loss = train_step(model, opt, inputs.to(device), targets.to(device), autocast_dtype)
+    # AdamW's default weight decay (0.01), as lm_run's optimiser; a record per step, so the last is the last step's loss
+    log = train(model, batches, cfg["steps"], lr=cfg["lr"], device=device, autocast_dtype=autocast_dtype,
+                log_every=1, progress=False, weight_decay=0.01)
     test = mqar_batch(cfg["eval_batch"], cfg["seq_len"], pairs, cfg["vocab"], seed=10_000 + seed)
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         accuracy = evaluate_mqar(model, *test)
-    return {"kind": kind, "pairs": pairs, "seed": seed, "accuracy": accuracy, "final_loss": float(loss),
+    return {"kind": kind, "pairs": pairs, "seed": seed, "accuracy": accuracy, "final_loss": log[-1]["loss"],
             "seconds": time.perf_counter() - t0}
 
 
