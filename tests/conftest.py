@@ -12,6 +12,7 @@ except ImportError:  # pragma: no cover
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest
 from hypothesis import settings
 
 # CI has 2 cores; keep property tests quick and free of flaky deadlines.
@@ -20,7 +21,7 @@ settings.load_profile("ci")
 
 
 @contextlib.contextmanager
-def torch_threads(n: int):
+def _torch_threads(n: int):
     """torch's intra-op threads set to ``n`` inside the block, the previous count restored after it."""
     before = torch.get_num_threads()
     torch.set_num_threads(n)
@@ -28,3 +29,9 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture
+def torch_threads():
+    """``with torch_threads(n):`` pins torch's threads to n for the block (a test file's autouse fixture uses it)."""
+    return _torch_threads

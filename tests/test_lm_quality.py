@@ -16,13 +16,11 @@ from lightning_edu.models.lm import VOCAB, corpus_bytes, evaluate_lm, lm_batches
 from lightning_edu.perf import quality
 from lightning_edu.perf.quality import KINDS, PRESETS, lm_run, mqar_run
 
-from conftest import torch_threads
-
 DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _one_thread(torch_threads):
     # The models here are tiny: one thread is as fast, and a hundred times faster than two when another process
     # keeps the CPU's cores busy (OpenMP threads then wait on each other).
     with torch_threads(1):

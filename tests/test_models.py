@@ -13,11 +13,9 @@ from lightning_edu.models import (
 from lightning_edu.models.mqar import IGNORE_INDEX
 from lightning_edu.perf.bench import head_decays
 
-from conftest import torch_threads
-
 
 @pytest.fixture(autouse=True)
-def _two_threads():
+def _two_threads(torch_threads):
     with torch_threads(2):
         yield
 

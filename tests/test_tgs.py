@@ -14,14 +14,12 @@ from lightning_edu.models import SIZES, Decoder, decay_schedule
 from lightning_edu.perf import tgs
 from lightning_edu.perf.tgs import MODELS, PAPER_TABLE1, build
 
-from conftest import torch_threads
-
 DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
 HAS_FLA = importlib.util.find_spec("fla") is not None
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _one_thread(torch_threads):
     # The models here are tiny: one thread is as fast, and a hundred times faster than two when another process
     # keeps the CPU's cores busy (OpenMP threads then wait on each other).
     with torch_threads(1):
