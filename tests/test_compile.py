@@ -57,6 +57,34 @@ def test_opcheck_backward(shape, block_size, with_state):
     torch.library.opcheck(la2_backward, (q, k, v, do, l2, s0, None, incoming, block_size))
 
 
+def test_forward_saves_no_states_when_asked_not_to():
+    """save_states=False (inference): the same o and final state, and no segment states written."""
+    q, k, v, s0 = _inputs(LONG, grad=False)
+    o1, sn1, kept = la2_forward(q, k, v, _log2(grad=False), s0, 16, True)
+    o2, sn2, none = la2_forward(q, k, v, _log2(grad=False), s0, 16, False)
+    assert kept.shape == (2, 3, 16, 16) and none.shape == (0,)
+    assert torch.equal(o1, o2) and torch.equal(sn1, sn2)
+    torch.library.opcheck(la2_forward, (q, k, v, _log2(), s0, 16, False),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("grad_mode,leaf_grad,want", [(True, True, True), (False, True, False), (True, False, False)])
+def test_backend_saves_states_only_when_a_gradient_can_be_asked_for(monkeypatch, grad_mode, leaf_grad, want):
+    import lightning_edu.triton_kernels as tk
+
+    seen = []
+
+    def spy(*args):
+        seen.append(args[-1])
+        return la2_forward(*args)
+
+    monkeypatch.setattr(tk, "la2_forward", spy)
+    q, k, v, _ = _inputs(LONG, grad=leaf_grad)
+    with torch.set_grad_enabled(grad_mode):
+        tk.triton_attention(q, k, v, [0.9, 0.99], block_size=16)
+    assert seen == [want]
+
+
 def test_opcheck_forward_bfloat16():
     """bf16 off CUDA is computed in fp32 inside the op; the fake must still say o is bf16."""
     q, k, v, s0 = _inputs(SHAPE, dtype=torch.bfloat16)

@@ -123,8 +123,12 @@ def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
     One call of the custom op ``lightning_edu::la2_forward`` (:mod:`.ops`), differentiable through its
     registered backward, and a single node to :func:`torch.compile`. o has v's dtype, final_state is float32.
     bfloat16 inputs off CUDA (the CPU interpreter) are computed in float32 and o is returned as bfloat16;
-    gradients flow back to the bfloat16 leaves as bfloat16."""
-    o, sn, _ = la2_forward(q, k, v, log2_decay_tensor(decay, q.device), initial_state, block_size)
+    gradients flow back to the bfloat16 leaves as bfloat16. The forward keeps its segment states for the backward
+    only when a gradient can be asked for (grad mode on and an input requiring one)."""
+    log2_decay = log2_decay_tensor(decay, q.device)
+    inputs = (q, k, v, log2_decay, initial_state)
+    save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    o, sn, _ = la2_forward(q, k, v, log2_decay, initial_state, block_size, save)
     return o, sn
 
 

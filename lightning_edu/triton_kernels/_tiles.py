@@ -32,6 +32,24 @@ So every kernel is compiled twice (the constexpr SAFE) and launched twice:
 
 A flag can also be raised by a non-finite value the fast pass handled exactly (a q, an initial state, an
 fp16 overflow): that only costs the exact pass's time, never a wrong result.
+
+How the kernels are written (every kernel of this package, so that one reads like the next):
+
+* **Pointers** are capitals named after the tensor (``Q``, ``K``, ``V``, ``O``, ``DO``, ``DQ``, ``S0``, ``SN``,
+  ``SEG``, ``FLAG``, ``LOG2_DECAY``). A program moves each of them to its own (batch, head) once, at the top
+  (:func:`head_start`, in 64 bits, so that no offset overflows 32 bits however large the batch); below that
+  line every offset is within one head: ``rows * D + offs_k`` for an (n, d) tensor, ``state_offs`` for a
+  (d_k, d_v) state.
+* **Offsets**: ``offs_r`` (rows of a block, 0 .. BLOCK-1), ``offs_k`` / ``offs_v`` (columns of d_k / d_v),
+  ``rows`` / ``cols`` (positions in the sequence); masks ``k_ok``, ``v_ok``, ``row_ok``.
+* **Compile-time constants**, one meaning each: ``D_K``, ``D_V`` the head dims; ``PAD_K``, ``PAD_V`` a whole
+  head dim padded to a tile width (:func:`pad_dim`); ``BLOCK_DK``, ``BLOCK_DV`` the slice of d_k or d_v one
+  program owns; ``BLOCK`` (LA-2: rows per block), ``BLOCK_M`` / ``BLOCK_N`` (LA-1: query / key rows),
+  ``CHUNK`` / ``MICRO`` (LA-3); ``PRECISION`` the ``input_precision`` of every ``tl.dot`` (:func:`dot_precision`);
+  ``SAFE`` the exact pass, ``SCAN`` the flags one exact-pass program scans.
+* **Dots** carry their shapes in a comment, ``(rows, inner) @ (inner, cols)``.
+* The decay tile (:func:`decay_tile`), the exact pass's dispatch (:func:`flagged_range`) and the tile widths
+  (:func:`pad_dim`) live here, once.
 """
 
 from __future__ import annotations
@@ -44,8 +62,9 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid", "dropped",
-    "apply_decay", "finite_operand", "poison", "stored_nonfinite", "clear_flag", "flag_nonfinite",
+    "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
+    "head_start", "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
+    "clear_flag", "flag_nonfinite",
 ]
 
 
@@ -103,6 +122,24 @@ def refuse_interpreted_bf16(who: str, *tensors) -> None:
 
 
 @triton.jit
+def head_start(bh, rows, width):
+    """Offset of (batch*head) ``bh``'s first element in a contiguous (batch*heads, rows, width) tensor, in 64 bits:
+    ``bh * rows * width`` passes 2**31 (8 GiB of bf16) at batch*heads*rows*width elements, a training batch."""
+    return tl.cast(bh, tl.int64) * rows * width  # bh may be a loop index: a Python int in the interpreter
+
+
+@triton.jit
+def flagged_range(FLAG, n_programs, SCAN: tl.constexpr):
+    """The exact pass's share of the fast pass's programs: (first, stop), SCAN programs from program_id(0) * SCAN,
+    read with one vector load of their flags; stop = first (nothing to redo) when none of them is flagged.
+    The caller loops ``for i in range(first, stop)`` and redoes program i when ``tl.load(FLAG + i) != 0``."""
+    first = tl.program_id(0) * SCAN
+    ids = first + tl.arange(0, SCAN)
+    any_flagged = tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0
+    return first, tl.where(any_flagged, tl.minimum(first + SCAN, n_programs), first)
+
+
+@triton.jit
 def dropped(SAFE: tl.constexpr):
     """The value a decay tile holds on dropped (above-diagonal or padded) entries: -1 in the exact pass, where
     :func:`apply_decay` selects them away, 0 in the fast pass, where it multiplies."""
@@ -110,6 +147,16 @@ def dropped(SAFE: tl.constexpr):
         return -1.0
     else:
         return 0.0
+
+
+@triton.jit
+def decay_tile(log2_lam, rows, cols, SAFE: tl.constexpr):
+    """The decay mask of a score tile: lambda^(rows[r] - cols[s]) where rows[r] >= cols[s], :func:`dropped` above
+    the diagonal. Positions may be absolute (LA-1's query and key blocks) or within one block (LA-2's M, with
+    rows = cols = offs_r). The exponent is clamped at 0 before exp2, so no negative power of lambda (which
+    overflows) is ever formed; lambda = 1 gives exp2(0) = 1 exactly."""
+    distance = rows[:, None] - cols[None, :]
+    return tl.where(distance >= 0, tl.exp2(log2_lam * tl.maximum(distance, 0).to(tl.float32)), dropped(SAFE))
 
 
 @triton.jit

@@ -8,7 +8,7 @@ Per (batch, head), with the state S (d_k x d_v, fp32) carried from the tokens so
 A step reads S once and writes S' once: 2 d_k d_v * 4 bytes per head against 4 d_k d_v FLOPs, one FLOP per
 two bytes, so the step is bound by memory, never by the tensor cores. The kernel is elementwise work and a
 reduction over d_k; it has no tl.dot, so it runs for any head dims in the CPU interpreter as on a GPU. One
-launch covers every (batch, head) and a slice of BLOCK_V columns of the state; q, k and v may be fp32, fp16
+launch covers every (batch, head) and a slice of BLOCK_DV columns of the state; q, k and v may be fp32, fp16
 or bf16 (upcast after loading), the state stays fp32.
 """
 
@@ -17,35 +17,37 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tiles import pad_dim, refuse_interpreted_bf16
+from ._tiles import head_start, pad_dim, refuse_interpreted_bf16
 
 __all__ = ["decode_step"]
 
 
 @triton.jit
 def _decode_kernel(Q, K, V, S, S_OUT, O, LOG2_DECAY, H,
-                   D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                   D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
                    HAS_STATE: tl.constexpr):
-    """Grid (batch*heads, cdiv(d_v, BLOCK_V)). Q, K: (batch*heads, d_k); V, O: (batch*heads, d_v);
+    """Grid (batch*heads, cdiv(d_v, BLOCK_DV)). Q, K: (batch*heads, d_k); V, O: (batch*heads, d_v);
     S, S_OUT: (batch*heads, d_k, d_v) fp32 (S may be S_OUT: each program reads its slice before writing it)."""
     bh = tl.program_id(0)
     pid_v = tl.program_id(1)
     offs_k = tl.arange(0, PAD_K)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
     k_ok = offs_k < D_K
     v_ok = offs_v < D_V
     state_ok = k_ok[:, None] & v_ok[None, :]
-    state_ptrs = bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :]
+    state_offs = offs_k[:, None] * D_V + offs_v[None, :]
+    S += head_start(bh, D_K, D_V)
+    S_OUT += head_start(bh, D_K, D_V)
     q = tl.load(Q + bh * D_K + offs_k, mask=k_ok, other=0.0).to(tl.float32)              # (d_k,)
     k = tl.load(K + bh * D_K + offs_k, mask=k_ok, other=0.0).to(tl.float32)              # (d_k,)
-    v = tl.load(V + bh * D_V + offs_v, mask=v_ok, other=0.0).to(tl.float32)              # (BLOCK_V,)
-    s = k[:, None] * v[None, :]                                                          # (d_k, BLOCK_V): k^T v
+    v = tl.load(V + bh * D_V + offs_v, mask=v_ok, other=0.0).to(tl.float32)              # (BLOCK_DV,)
+    s = k[:, None] * v[None, :]                                                          # (d_k, BLOCK_DV): k^T v
     if HAS_STATE:
         lam = tl.exp2(tl.load(LOG2_DECAY + bh % H))
-        s += lam * tl.load(S + state_ptrs, mask=state_ok, other=0.0)
+        s += lam * tl.load(S + state_offs, mask=state_ok, other=0.0)
     # Padded rows (d_k < PAD_K) hold 0 in q, k and S: they add nothing to the sum over d_k.
-    o = tl.sum(q[:, None] * s, axis=0)                                                   # (BLOCK_V,): q S'
-    tl.store(S_OUT + state_ptrs, s, mask=state_ok)
+    o = tl.sum(q[:, None] * s, axis=0)                                                   # (BLOCK_DV,): q S'
+    tl.store(S_OUT + state_offs, s, mask=state_ok)
     tl.store(O + bh * D_V + offs_v, o.to(O.dtype.element_ty), mask=v_ok)
 
 
@@ -70,6 +72,6 @@ def decode_step(q, k, v, state, log2_decay, out_state=None, block_v: int | None 
     block_v = block_v or max(16, min(pad_dim(d_v), 8192 // pad_k))
     grid = (batch * heads, triton.cdiv(d_v, block_v))
     _decode_kernel[grid](q, k, v, state if state is not None else out_state, out_state, o, log2_decay, heads,
-                         D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_V=block_v, HAS_STATE=state is not None,
+                         D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_v, HAS_STATE=state is not None,
                          num_warps=num_warps)
     return o, out_state

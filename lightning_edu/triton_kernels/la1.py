@@ -42,8 +42,8 @@ import triton.language as tl
 
 from ..validation import device_decay, validate_attention_args, validate_block_size, validate_decay, validate_head_dims
 from ._tiles import (
-    apply_decay, clear_flag, dropped, exact_pass_grid, finite_operand, flag_nonfinite, poison, refuse_interpreted_bf16,
-    stored_nonfinite,
+    apply_decay, clear_flag, decay_tile, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite,
+    flagged_range, pad_dim, poison, refuse_interpreted_bf16, stored_nonfinite,
 )
 
 __all__ = [
@@ -55,16 +55,13 @@ LA1_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _decay_tile(log2_lambda, rows, cols, n, SAFE: tl.constexpr):
+def _decay_tile(log2_lam, rows, cols, n, SAFE: tl.constexpr):
     """D[r, s] = lambda^(rows[r] - cols[s]) where rows[r] >= cols[s] and both are inside the sequence, else
-    ``dropped(SAFE)`` (0 in the fast pass, -1 in the exact pass: see _tiles.apply_decay).
-
-    The exponent is clamped at 0 before exp2, so no negative power (lambda^-x overflows) is ever formed.
-    """
-    distance = rows[:, None] - cols[None, :]
-    keep = (distance >= 0) & (rows[:, None] < n) & (cols[None, :] < n)
-    power = tl.exp2(log2_lambda * tl.maximum(distance, 0).to(tl.float32))
-    return tl.where(keep, power, dropped(SAFE))
+    ``dropped(SAFE)`` (0 in the fast pass, -1 in the exact pass: see _tiles.apply_decay). The causal part is
+    :func:`~._tiles.decay_tile` (which never forms a negative power of lambda); the padded rows and columns of
+    the sequence's last block are dropped here too."""
+    inside = (rows[:, None] < n) & (cols[None, :] < n)
+    return tl.where(inside, decay_tile(log2_lam, rows, cols, SAFE), dropped(SAFE))
 
 
 # Each kernel below is launched twice (see _tiles): SAFE=False is the plain kernel and flags the programs whose
@@ -72,47 +69,50 @@ def _decay_tile(log2_lambda, rows, cols, n, SAFE: tl.constexpr):
 
 
 @triton.jit
-def _forward_program(q_ptr, k_ptr, v_ptr, o_ptr, decay_ptr, n, heads, block_i, bh,
+def _forward_program(Q, K, V, O, DECAY, n, heads, block_i, bh,
                      stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                      stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                     D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SAFE: tl.constexpr):
+                     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SAFE: tl.constexpr):
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    log2_lambda = tl.log2(tl.load(decay_ptr + h))
+    log2_lam = tl.log2(tl.load(DECAY + h))
+    # Every pointer moves to this (batch, head) once; offsets below are within its (n, d) rows.
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    O += b * stride_ob + h * stride_oh
 
     rows = block_i * BLOCK_M + tl.arange(0, BLOCK_M)
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
+    offs_k = tl.arange(0, PAD_K)
+    offs_v = tl.arange(0, PAD_V)
     row_ok = rows < n
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + dk[None, :],
-                mask=row_ok[:, None] & (dk[None, :] < D_K), other=0.0)
+    q = tl.load(Q + rows[:, None] * stride_qn + offs_k[None, :],
+                mask=row_ok[:, None] & (offs_k[None, :] < D_K), other=0.0)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
-    k_base = k_ptr + b * stride_kb + h * stride_kh
-    v_base = v_ptr + b * stride_vb + h * stride_vh
+    acc = tl.zeros((BLOCK_M, PAD_V), dtype=tl.float32)
     # Causality: key blocks past this query block's last row contribute nothing, so the loop stops there.
     end = tl.minimum((block_i + 1) * BLOCK_M, n)
     for start in range(0, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < n
-        # K_j^T is loaded already transposed, (BLOCK_DK, BLOCK_N), so the dot needs no register shuffle.
-        kt = tl.load(k_base + cols[None, :] * stride_kn + dk[:, None],
-                     mask=col_ok[None, :] & (dk[:, None] < D_K), other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + dv[None, :],
-                    mask=col_ok[:, None] & (dv[None, :] < D_V), other=0.0)
-        scores = tl.dot(q, kt, input_precision=DOT_PRECISION)  # fp32 (BLOCK_M, BLOCK_N)
-        p = apply_decay(scores, _decay_tile(log2_lambda, rows, cols, n, SAFE), SAFE)
+        # K_j^T is loaded already transposed, (PAD_K, BLOCK_N), so the dot needs no register shuffle.
+        kt = tl.load(K + cols[None, :] * stride_kn + offs_k[:, None],
+                     mask=col_ok[None, :] & (offs_k[:, None] < D_K), other=0.0)
+        v = tl.load(V + cols[:, None] * stride_vn + offs_v[None, :],
+                    mask=col_ok[:, None] & (offs_v[None, :] < D_V), other=0.0)
+        scores = tl.dot(q, kt, input_precision=PRECISION)  # fp32 (BLOCK_M, BLOCK_N)
+        p = apply_decay(scores, _decay_tile(log2_lam, rows, cols, n, SAFE), SAFE)
         if SAFE:  # a non-finite v_s reaches rows r >= s only (P's zeros would meet it as 0 * NaN)
             v, bad_from = finite_operand(v, cols, True)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             acc = poison(acc, rows, bad_from, True)
         else:
-            acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
-    o_ptrs = o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + dv[None, :]
-    o_mask = row_ok[:, None] & (dv[None, :] < D_V)
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=o_mask)
+    o_ptrs = O + rows[:, None] * stride_on + offs_v[None, :]
+    o_mask = row_ok[:, None] & (offs_v[None, :] < D_V)
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=o_mask)
     bad = False
     if not SAFE:  # a non-finite K or V entry always shows in the output tile: the fast pass's flag
         bad = stored_nonfinite(o_ptrs, o_mask)
@@ -121,84 +121,85 @@ def _forward_program(q_ptr, k_ptr, v_ptr, o_ptr, decay_ptr, n, heads, block_i, b
 
 @triton.jit
 def la1_forward_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, decay_ptr, flag_ptr,
+    Q, K, V, O, DECAY, FLAG,
     n, heads, n_programs,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     D_K: tl.constexpr, D_V: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAD_K: tl.constexpr, PAD_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
+    PRECISION: tl.constexpr, SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
 ):
     """One program: rows [i*BLOCK_M, (i+1)*BLOCK_M) of o for one (batch, head). Last axis contiguous.
 
-    Fast pass (SAFE=False, grid (query blocks, batch*heads)): flag_ptr[bh * blocks + i] := whether the
+    Fast pass (SAFE=False, grid (query blocks, batch*heads)): FLAG[bh * blocks + i] := whether the
     accumulator ended non-finite. Exact pass (SAFE=True, grid from _tiles.exact_pass_grid): each program scans
     SCAN flags and redoes the flagged programs exactly (see _tiles).
     """
     nb = tl.cdiv(n, BLOCK_M)
     if SAFE:
-        first = tl.program_id(0) * SCAN
-        ids = first + tl.arange(0, SCAN)
-        if tl.max(tl.load(flag_ptr + ids, mask=ids < n_programs, other=0), axis=0) != 0:
-            for i in range(first, tl.minimum(first + SCAN, n_programs)):
-                if tl.load(flag_ptr + i) != 0:
-                    _forward_program(q_ptr, k_ptr, v_ptr, o_ptr, decay_ptr, n, heads, i % nb, i // nb,
-                                     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                                     D_K, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION, True)
+        first, stop = flagged_range(FLAG, n_programs, SCAN)
+        for i in range(first, stop):
+            if tl.load(FLAG + i) != 0:
+                _forward_program(Q, K, V, O, DECAY, n, heads, i % nb, i // nb,
+                                 stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
+                                 D_K, D_V, PAD_K, PAD_V, BLOCK_M, BLOCK_N, PRECISION, True)
     else:
         block_i = tl.program_id(0)
         bh = tl.program_id(1)
-        bad = _forward_program(q_ptr, k_ptr, v_ptr, o_ptr, decay_ptr, n, heads, block_i, bh,
+        bad = _forward_program(Q, K, V, O, DECAY, n, heads, block_i, bh,
                                stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                                stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-                               D_K, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION, False)
-        tl.store(flag_ptr + bh * nb + block_i, bad.to(tl.int32))
+                               D_K, D_V, PAD_K, PAD_V, BLOCK_M, BLOCK_N, PRECISION, False)
+        tl.store(FLAG + bh * nb + block_i, bad.to(tl.int32))
 
 
 @triton.jit
-def _dq_program(k_ptr, v_ptr, do_ptr, dq_ptr, decay_ptr, n, heads, block_i, bh,
+def _dq_program(K, V, DO, DQ, DECAY, n, heads, block_i, bh,
                 stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                 stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-                D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SAFE: tl.constexpr):
+                D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SAFE: tl.constexpr):
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    log2_lambda = tl.log2(tl.load(decay_ptr + h))
+    log2_lam = tl.log2(tl.load(DECAY + h))
+    # Every pointer moves to this (batch, head) once; offsets below are within its (n, d) rows.
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_dob + h * stride_doh
+    DQ += b * stride_dqb + h * stride_dqh
 
     rows = block_i * BLOCK_M + tl.arange(0, BLOCK_M)
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
+    offs_k = tl.arange(0, PAD_K)
+    offs_v = tl.arange(0, PAD_V)
     row_ok = rows < n
-    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + dv[None, :],
-                 mask=row_ok[:, None] & (dv[None, :] < D_V), other=0.0)
+    do = tl.load(DO + rows[:, None] * stride_don + offs_v[None, :],
+                 mask=row_ok[:, None] & (offs_v[None, :] < D_V), other=0.0)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_DK), dtype=tl.float32)
-    k_base = k_ptr + b * stride_kb + h * stride_kh
-    v_base = v_ptr + b * stride_vb + h * stride_vh
+    acc = tl.zeros((BLOCK_M, PAD_K), dtype=tl.float32)
     end = tl.minimum((block_i + 1) * BLOCK_M, n)
     for start in range(0, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < n
-        vt = tl.load(v_base + cols[None, :] * stride_vn + dv[:, None],
-                     mask=col_ok[None, :] & (dv[:, None] < D_V), other=0.0)
-        k = tl.load(k_base + cols[:, None] * stride_kn + dk[None, :],
-                    mask=col_ok[:, None] & (dk[None, :] < D_K), other=0.0)
-        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)  # dP = dO V^T, fp32 (BLOCK_M, BLOCK_N)
-        ds = apply_decay(dp, _decay_tile(log2_lambda, rows, cols, n, SAFE), SAFE)
+        vt = tl.load(V + cols[None, :] * stride_vn + offs_v[:, None],
+                     mask=col_ok[None, :] & (offs_v[:, None] < D_V), other=0.0)
+        k = tl.load(K + cols[:, None] * stride_kn + offs_k[None, :],
+                    mask=col_ok[:, None] & (offs_k[None, :] < D_K), other=0.0)
+        dp = tl.dot(do, vt, input_precision=PRECISION)  # dP = dO V^T, fp32 (BLOCK_M, BLOCK_N)
+        ds = apply_decay(dp, _decay_tile(log2_lam, rows, cols, n, SAFE), SAFE)
         if SAFE:  # a non-finite k_s reaches rows r >= s only
             k, bad_from = finite_operand(k, cols, True)
-            acc += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+            acc += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
             acc = poison(acc, rows, bad_from, True)
         else:
-            acc += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+            acc += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
 
-    dq_ptrs = dq_ptr + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqn + dk[None, :]
-    dq_mask = row_ok[:, None] & (dk[None, :] < D_K)
-    tl.store(dq_ptrs, acc.to(dq_ptr.dtype.element_ty), mask=dq_mask)
+    dq_ptrs = DQ + rows[:, None] * stride_dqn + offs_k[None, :]
+    dq_mask = row_ok[:, None] & (offs_k[None, :] < D_K)
+    tl.store(dq_ptrs, acc.to(DQ.dtype.element_ty), mask=dq_mask)
     bad = False
     if not SAFE:  # a non-finite V or K entry always shows in the output tile: the fast pass's flag
         bad = stored_nonfinite(dq_ptrs, dq_mask)
@@ -207,100 +208,103 @@ def _dq_program(k_ptr, v_ptr, do_ptr, dq_ptr, decay_ptr, n, heads, block_i, bh,
 
 @triton.jit
 def la1_backward_dq_kernel(
-    k_ptr, v_ptr, do_ptr, dq_ptr, decay_ptr, flag_ptr,
+    K, V, DO, DQ, DECAY, FLAG,
     n, heads, n_programs,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
     D_K: tl.constexpr, D_V: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAD_K: tl.constexpr, PAD_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
+    PRECISION: tl.constexpr, SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
 ):
     """dQ_i = sum over key blocks j <= i of [(dO_i V_j^T) * D_ij] K_j: the forward loop with V and dO swapped in.
     Two passes, as :func:`la1_forward_kernel`."""
     nb = tl.cdiv(n, BLOCK_M)
     if SAFE:
-        first = tl.program_id(0) * SCAN
-        ids = first + tl.arange(0, SCAN)
-        if tl.max(tl.load(flag_ptr + ids, mask=ids < n_programs, other=0), axis=0) != 0:
-            for i in range(first, tl.minimum(first + SCAN, n_programs)):
-                if tl.load(flag_ptr + i) != 0:
-                    _dq_program(k_ptr, v_ptr, do_ptr, dq_ptr, decay_ptr, n, heads, i % nb, i // nb,
-                                stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                                stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-                                D_K, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION, True)
+        first, stop = flagged_range(FLAG, n_programs, SCAN)
+        for i in range(first, stop):
+            if tl.load(FLAG + i) != 0:
+                _dq_program(K, V, DO, DQ, DECAY, n, heads, i % nb, i // nb,
+                            stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                            stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
+                            D_K, D_V, PAD_K, PAD_V, BLOCK_M, BLOCK_N, PRECISION, True)
     else:
         block_i = tl.program_id(0)
         bh = tl.program_id(1)
-        bad = _dq_program(k_ptr, v_ptr, do_ptr, dq_ptr, decay_ptr, n, heads, block_i, bh,
+        bad = _dq_program(K, V, DO, DQ, DECAY, n, heads, block_i, bh,
                           stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                           stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-                          D_K, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION, False)
-        tl.store(flag_ptr + bh * nb + block_i, bad.to(tl.int32))
+                          D_K, D_V, PAD_K, PAD_V, BLOCK_M, BLOCK_N, PRECISION, False)
+        tl.store(FLAG + bh * nb + block_i, bad.to(tl.int32))
 
 
 @triton.jit
-def _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, decay_ptr, n, heads, block_j, bh,
+def _dkdv_program(Q, K, V, DO, DK, DV, DECAY, n, heads, block_j, bh,
                   stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                   stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                   stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                  D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, SAFE: tl.constexpr):
+                  D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SAFE: tl.constexpr):
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    log2_lambda = tl.log2(tl.load(decay_ptr + h))
+    log2_lam = tl.log2(tl.load(DECAY + h))
+    # Every pointer moves to this (batch, head) once; offsets below are within its (n, d) rows.
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_dob + h * stride_doh
+    DK += b * stride_dkb + h * stride_dkh
+    DV += b * stride_dvb + h * stride_dvh
 
     cols = block_j * BLOCK_N + tl.arange(0, BLOCK_N)  # key positions: the rows of every tile here
-    dk = tl.arange(0, BLOCK_DK)
-    dv = tl.arange(0, BLOCK_DV)
+    offs_k = tl.arange(0, PAD_K)
+    offs_v = tl.arange(0, PAD_V)
     col_ok = cols < n
-    k = tl.load(k_ptr + b * stride_kb + h * stride_kh + cols[:, None] * stride_kn + dk[None, :],
-                mask=col_ok[:, None] & (dk[None, :] < D_K), other=0.0)
-    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + cols[:, None] * stride_vn + dv[None, :],
-                mask=col_ok[:, None] & (dv[None, :] < D_V), other=0.0)
+    k = tl.load(K + cols[:, None] * stride_kn + offs_k[None, :],
+                mask=col_ok[:, None] & (offs_k[None, :] < D_K), other=0.0)
+    v = tl.load(V + cols[:, None] * stride_vn + offs_v[None, :],
+                mask=col_ok[:, None] & (offs_v[None, :] < D_V), other=0.0)
 
-    acc_dk = tl.zeros((BLOCK_N, BLOCK_DK), dtype=tl.float32)
-    acc_dv = tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
-    q_base = q_ptr + b * stride_qb + h * stride_qh
-    do_base = do_ptr + b * stride_dob + h * stride_doh
+    acc_dk = tl.zeros((BLOCK_N, PAD_K), dtype=tl.float32)
+    acc_dv = tl.zeros((BLOCK_N, PAD_V), dtype=tl.float32)
     # Causality: only queries at or after this key block see it; start at the query block holding its first row.
     first = (block_j * BLOCK_N // BLOCK_M) * BLOCK_M
     for start in range(first, n, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < n
-        qt = tl.load(q_base + rows[None, :] * stride_qn + dk[:, None],
-                     mask=row_ok[None, :] & (dk[:, None] < D_K), other=0.0)
-        dot_ = tl.load(do_base + rows[None, :] * stride_don + dv[:, None],
-                       mask=row_ok[None, :] & (dv[:, None] < D_V), other=0.0)
+        qt = tl.load(Q + rows[None, :] * stride_qn + offs_k[:, None],
+                     mask=row_ok[None, :] & (offs_k[:, None] < D_K), other=0.0)
+        dot_ = tl.load(DO + rows[None, :] * stride_don + offs_v[:, None],
+                       mask=row_ok[None, :] & (offs_v[:, None] < D_V), other=0.0)
         # D^T[s, r] = lambda^(row r - key s): the same tile as the forward, transposed.
-        decay_t = tl.trans(_decay_tile(log2_lambda, rows, cols, n, SAFE))
-        pt = apply_decay(tl.dot(k, qt, input_precision=DOT_PRECISION), decay_t, SAFE)  # P^T (BLOCK_N, BLOCK_M)
-        dst = apply_decay(tl.dot(v, dot_, input_precision=DOT_PRECISION), decay_t, SAFE)  # dS^T = (V dO^T) * D^T
+        decay_t = tl.trans(_decay_tile(log2_lam, rows, cols, n, SAFE))
+        pt = apply_decay(tl.dot(k, qt, input_precision=PRECISION), decay_t, SAFE)  # P^T (BLOCK_N, BLOCK_M)
+        dst = apply_decay(tl.dot(v, dot_, input_precision=PRECISION), decay_t, SAFE)  # dS^T = (V dO^T) * D^T
         if SAFE:  # key row s receives from query rows r >= s: a non-finite dO_r or Q_r reaches rows s <= r only
             dot_, bad_to_v = finite_operand(dot_, rows, False, 1)
             qt, bad_to_k = finite_operand(qt, rows, False, 1)
-            acc_dv += tl.dot(pt.to(dot_.dtype), tl.trans(dot_), input_precision=DOT_PRECISION)
-            acc_dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
+            acc_dv += tl.dot(pt.to(dot_.dtype), tl.trans(dot_), input_precision=PRECISION)
+            acc_dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
             acc_dv = poison(acc_dv, cols, bad_to_v, False)
             acc_dk = poison(acc_dk, cols, bad_to_k, False)
         else:
-            acc_dv += tl.dot(pt.to(dot_.dtype), tl.trans(dot_), input_precision=DOT_PRECISION)
-            acc_dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PRECISION)
+            acc_dv += tl.dot(pt.to(dot_.dtype), tl.trans(dot_), input_precision=PRECISION)
+            acc_dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
 
-    out_dk = acc_dk.to(dk_ptr.dtype.element_ty)
-    tl.store(dk_ptr + b * stride_dkb + h * stride_dkh + cols[:, None] * stride_dkn + dk[None, :],
-             out_dk, mask=col_ok[:, None] & (dk[None, :] < D_K))
-    out_dv = acc_dv.to(dv_ptr.dtype.element_ty)
-    tl.store(dv_ptr + b * stride_dvb + h * stride_dvh + cols[:, None] * stride_dvn + dv[None, :],
-             out_dv, mask=col_ok[:, None] & (dv[None, :] < D_V))
+    out_dk = acc_dk.to(DK.dtype.element_ty)
+    tl.store(DK + cols[:, None] * stride_dkn + offs_k[None, :],
+             out_dk, mask=col_ok[:, None] & (offs_k[None, :] < D_K))
+    out_dv = acc_dv.to(DV.dtype.element_ty)
+    tl.store(DV + cols[:, None] * stride_dvn + offs_v[None, :],
+             out_dv, mask=col_ok[:, None] & (offs_v[None, :] < D_V))
     return out_dk, out_dv
 
 
 @triton.jit
 def la1_backward_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, decay_ptr, flag_ptr,
+    Q, K, V, DO, DK, DV, DECAY, FLAG,
     n, heads, n_programs,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
@@ -309,9 +313,9 @@ def la1_backward_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     D_K: tl.constexpr, D_V: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAD_K: tl.constexpr, PAD_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
+    PRECISION: tl.constexpr, SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
 ):
     """One program per key block j: dV_j = sum_{i >= j} P_ij^T dO_i and dK_j = sum_{i >= j} dS_ij^T Q_i.
 
@@ -320,35 +324,28 @@ def la1_backward_dkdv_kernel(
     """
     nb = tl.cdiv(n, BLOCK_N)
     if SAFE:
-        first = tl.program_id(0) * SCAN
-        ids = first + tl.arange(0, SCAN)
-        if tl.max(tl.load(flag_ptr + ids, mask=ids < n_programs, other=0), axis=0) != 0:
-            for i in range(first, tl.minimum(first + SCAN, n_programs)):
-                if tl.load(flag_ptr + i) != 0:
-                    _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, decay_ptr, n, heads, i % nb, i // nb,
-                                  stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-                                  stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
-                                  stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                                  D_K, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION, True)
+        first, stop = flagged_range(FLAG, n_programs, SCAN)
+        for i in range(first, stop):
+            if tl.load(FLAG + i) != 0:
+                _dkdv_program(Q, K, V, DO, DK, DV, DECAY, n, heads, i % nb, i // nb,
+                              stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
+                              stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
+                              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                              D_K, D_V, PAD_K, PAD_V, BLOCK_M, BLOCK_N, PRECISION, True)
     else:
         block_j = tl.program_id(0)
         bh = tl.program_id(1)
-        flag = flag_ptr + bh * nb + block_j
+        flag = FLAG + bh * nb + block_j
         clear_flag(flag)
-        out_dk, out_dv = _dkdv_program(q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, decay_ptr, n, heads, block_j, bh,
+        out_dk, out_dv = _dkdv_program(Q, K, V, DO, DK, DV, DECAY, n, heads, block_j, bh,
                                        stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
                                        stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_don,
                                        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                                       D_K, D_V, BLOCK_DK, BLOCK_DV, BLOCK_M, BLOCK_N, DOT_PRECISION, False)
+                                       D_K, D_V, PAD_K, PAD_V, BLOCK_M, BLOCK_N, PRECISION, False)
         # A non-finite Q or dO entry always shows in the output tiles. Flagged by masked stores, not by the
         # read-back of the other two kernels: here that cost 7% (two tiles), a reduction 38% (H100, d = 128).
         flag_nonfinite(flag, out_dk)
         flag_nonfinite(flag, out_dv)
-
-
-def _head_block(d: int) -> int:
-    # tl.dot wants every side >= 16 and a power of two; padded columns are masked to 0 on load.
-    return max(16, triton.next_power_of_2(d))
 
 
 def _prepare(who, q, k, v, decay, block_size, do=None):
@@ -362,10 +359,11 @@ def _prepare(who, q, k, v, decay, block_size, do=None):
     decay_t = device_decay(args.decay, q.device, torch.float32)
     tensors = [x.contiguous() for x in (q, k, v) + ((do,) if do is not None else ())]
     meta = dict(
-        D_K=args.d_k, D_V=args.d_v, BLOCK_DK=_head_block(args.d_k), BLOCK_DV=_head_block(args.d_v),
+        # tl.dot wants every side >= 16 and a power of two: head dims padded, padded columns masked to 0 on load.
+        D_K=args.d_k, D_V=args.d_v, PAD_K=pad_dim(args.d_k), PAD_V=pad_dim(args.d_v),
         BLOCK_M=block, BLOCK_N=block,
         # fp32 inputs get IEEE fp32 dots (tf32 would cost ~3e-4 relative error); fp16/bf16 use the tensor cores.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=dot_precision(q),
         # Two fp32 accumulators of (B, 128) in the dK/dV kernel need more than 4 warps' registers.
         num_warps=8 if max(args.d_k, args.d_v) >= 128 else 4,
     )

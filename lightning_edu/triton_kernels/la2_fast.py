@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from ._tiles import (
-    apply_decay, clear_flag, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite, pad_dim, poison,
-    refuse_interpreted_bf16, sm_count,
+    apply_decay, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite, flagged_range,
+    head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments", "dq_pass", "finish_backward"]
@@ -64,6 +64,9 @@ def _segment_state_kernel(
     pid_v = tl.program_id(2)
     num_seg = tl.num_programs(1) + 1
     log2_lam = tl.load(LOG2_DECAY + bh % H)
+    K += head_start(bh, n, D_K)
+    V += head_start(bh, n, D_V)
+    SEG += head_start(bh, num_seg, D_K * D_V)
     offs_r = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, PAD_K)
     offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -75,39 +78,38 @@ def _segment_state_kernel(
     k_scale = tl.exp2(log2_lam * (BLOCK - 1 - offs_r).to(tl.float32))
     for blk in range(start, start + seg_len, BLOCK):  # segments before the last are whole blocks
         rows = _row_offsets(blk + offs_r, n, REVERSE)
-        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+        k = tl.load(K + rows[:, None] * D_K + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        v = tl.load(V + rows[:, None] * D_V + offs_v[None, :], mask=v_ok[None, :], other=0.0)
         ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
-        kv = kv * block_decay + tl.dot(tl.trans(ks), v, input_precision=PRECISION)
-    ptrs = SEG + (bh * num_seg + seg) * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :]
-    tl.store(ptrs, kv, mask=k_ok[:, None] & v_ok[None, :])
+        kv = kv * block_decay + tl.dot(tl.trans(ks), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
+    tl.store(SEG + seg * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], kv, mask=k_ok[:, None] & v_ok[None, :])
 
 
 @triton.jit
-def _incoming_state(S0, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v, state_ok,
+def _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok,
                     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
                     HAS_S0: tl.constexpr, SEG_IS_INCOMING: tl.constexpr = False):
     """State at the start of segment ``seg``: lambda^(seg L) S0 + sum_{i<seg} lambda^((seg-1-i) L) S_i (Horner).
+    S0 and SEG point at this head's state and segment states.
 
     With SEG_IS_INCOMING, SEG already holds each segment's incoming state (saved by an earlier pass).
     """
     if SEG_IS_INCOMING:
-        return tl.load(SEG + (bh * num_seg + seg) * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], mask=state_ok, other=0.0)
+        return tl.load(SEG + seg * D_K * D_V + state_offs, mask=state_ok, other=0.0)
     kv = tl.zeros((PAD_K, BLOCK_DV), dtype=tl.float32)
     if HAS_S0:
-        kv = tl.load(S0 + bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], mask=state_ok, other=0.0).to(tl.float32)
+        kv = tl.load(S0 + state_offs, mask=state_ok, other=0.0).to(tl.float32)
     seg_decay = tl.exp2(log2_lam * seg_len.to(tl.float32))
     for i in range(0, seg):
-        s_i = tl.load(SEG + (bh * num_seg + i) * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], mask=state_ok, other=0.0)
-        kv = kv * seg_decay + s_i
+        kv = kv * seg_decay + tl.load(SEG + i * D_K * D_V + state_offs, mask=state_ok, other=0.0)
     return kv
 
 
 @triton.jit
-def _forward_sweep(Q, K, V, O, kv, bh, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask, q_scale,
+def _forward_sweep(Q, K, V, O, kv, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask, q_scale,
                    D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr,
                    PRECISION: tl.constexpr, SAFE: tl.constexpr):
-    """Algorithm 1 over positions [start, end) from state ``kv``; returns the final state.
+    """Algorithm 1 over positions [start, end) of one head from state ``kv``; returns the final state.
 
     SAFE: exact for non-finite K and V (a non-finite k_p or v_p reaches rows p' >= p only; see _tiles); the
     state update keeps the raw V, so it reaches every later block too.
@@ -116,21 +118,21 @@ def _forward_sweep(Q, K, V, O, kv, bh, start, end, n, log2_lam, offs_r, offs_k, 
         p = blk + offs_r
         ok = p < end
         rows = _row_offsets(p, n, REVERSE)
-        q = tl.load(Q + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+        q = tl.load(Q + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        k = tl.load(K + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(V + rows[:, None] * D_V + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
         b = tl.minimum(end - blk, BLOCK)
-        scores = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, SAFE)
+        scores = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, SAFE)  # (B, d_k) @ (d_k, B)
         if SAFE:
             v_safe, bad_from = finite_operand(v, offs_r, True)
             o = poison(tl.dot(scores.to(v.dtype), v_safe, input_precision=PRECISION), offs_r, bad_from, True)
         else:
-            o = tl.dot(scores.to(v.dtype), v, input_precision=PRECISION)
-        o += tl.dot(q, kv.to(q.dtype), input_precision=PRECISION) * q_scale[:, None]
+            o = tl.dot(scores.to(v.dtype), v, input_precision=PRECISION)  # (B, B) @ (B, d_v)
+        o += tl.dot(q, kv.to(q.dtype), input_precision=PRECISION) * q_scale[:, None]  # (B, d_k) @ (d_k, d_v)
         k_scale = tl.where(ok, tl.exp2(log2_lam * tl.maximum(b - 1 - offs_r, 0).to(tl.float32)), 0.0)
         ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
-        kv = kv * tl.exp2(log2_lam * b.to(tl.float32)) + tl.dot(tl.trans(ks), v, input_precision=PRECISION)
-        tl.store(O + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], o.to(O.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
+        kv = kv * tl.exp2(log2_lam * b.to(tl.float32)) + tl.dot(tl.trans(ks), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
+        tl.store(O + rows[:, None] * D_V + offs_v[None, :], o.to(O.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
     return kv
 
 
@@ -141,27 +143,34 @@ def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh
                      SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr, PRECISION: tl.constexpr,
                      SAFE: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
+    Q += head_start(bh, n, D_K)
+    K += head_start(bh, n, D_K)
+    V += head_start(bh, n, D_V)
+    O += head_start(bh, n, D_V)
+    S0 += head_start(bh, 1, D_K * D_V)
+    SN += head_start(bh, 1, D_K * D_V)
+    SEG += head_start(bh, num_seg, D_K * D_V)
+    INC += head_start(bh, num_seg, D_K * D_V)
     offs_r = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, PAD_K)
     offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
     k_ok = offs_k < D_K
     v_ok = offs_v < D_V
+    state_offs = offs_k[:, None] * D_V + offs_v[None, :]
     state_ok = k_ok[:, None] & v_ok[None, :]
-    kv = _incoming_state(S0, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v, state_ok,
+    kv = _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok,
                          D_K, D_V, PAD_K, BLOCK_DV, HAS_S0, SEG_IS_INCOMING)
     if STORE_INC:
-        tl.store(INC + (bh * num_seg + seg) * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], kv, mask=state_ok)
-    # lambda^(r-s) on and below the diagonal; above it, the dropped entries (0, or -1 in the exact pass).
-    gap = offs_r[:, None] - offs_r[None, :]
-    mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), dropped(SAFE))
+        tl.store(INC + seg * D_K * D_V + state_offs, kv, mask=state_ok)
+    mask = decay_tile(log2_lam, offs_r, offs_r, SAFE)  # M: lambda^(r-s) on and below the diagonal
     q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
     start = seg * seg_len
     end = tl.minimum(start + seg_len, n)
-    kv = _forward_sweep(Q, K, V, O, kv, bh, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask,
+    kv = _forward_sweep(Q, K, V, O, kv, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask,
                         q_scale, D_K, D_V, BLOCK, REVERSE, PRECISION, SAFE)
     if STORE_SN:
         if seg == num_seg - 1:
-            tl.store(SN + bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], kv, mask=state_ok)
+            tl.store(SN + state_offs, kv, mask=state_ok)
     return kv
 
 
@@ -183,14 +192,12 @@ def _la2_fast_forward_kernel(
     slices: tl.constexpr = (D_V + BLOCK_DV - 1) // BLOCK_DV
     num_seg = tl.cdiv(n, seg_len)
     if SAFE:
-        first = tl.program_id(0) * SCAN
-        ids = first + tl.arange(0, SCAN)
-        if tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0:
-            for i in range(first, tl.minimum(first + SCAN, n_programs)):
-                if tl.load(FLAG + i) != 0:
-                    _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, i // slices // num_seg,
-                                     i // slices % num_seg, i % slices, num_seg, D_K, D_V, PAD_K, BLOCK_DV, BLOCK,
-                                     REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC, PRECISION, True)
+        first, stop = flagged_range(FLAG, n_programs, SCAN)
+        for i in range(first, stop):
+            if tl.load(FLAG + i) != 0:
+                _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, i // slices // num_seg,
+                                 i // slices % num_seg, i % slices, num_seg, D_K, D_V, PAD_K, BLOCK_DV, BLOCK,
+                                 REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC, PRECISION, True)
     else:
         bh = tl.program_id(0)
         seg = tl.program_id(1)
@@ -204,10 +211,10 @@ def _la2_fast_forward_kernel(
 
 
 @triton.jit
-def _dkdv_sweep(Q, K, V, DO, DK, DV, x, bh, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask,
+def _dkdv_sweep(Q, K, V, DO, DK, DV, x, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask,
                 q_scale, D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
                 SAFE: tl.constexpr):
-    """The fused reverse sweep over positions [start, end) from state ``x``; returns the final state.
+    """The fused reverse sweep over positions [start, end) of one head from state ``x``; returns the final state.
     SAFE: exact for non-finite dO and Q (causal tiles in reversed time; see _tiles)."""
     for blk in range(start, end, BLOCK):
         p = blk + offs_r
@@ -215,31 +222,31 @@ def _dkdv_sweep(Q, K, V, DO, DK, DV, x, bh, start, end, n, log2_lam, offs_r, off
         rows = n - 1 - p
         kmask = ok[:, None] & k_ok[None, :]
         vmask = ok[:, None] & v_ok[None, :]
-        q = tl.load(Q + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=kmask, other=0.0)
-        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=kmask, other=0.0)
-        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0)
-        do = tl.load(DO + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0)
+        q = tl.load(Q + rows[:, None] * D_K + offs_k[None, :], mask=kmask, other=0.0)
+        k = tl.load(K + rows[:, None] * D_K + offs_k[None, :], mask=kmask, other=0.0)
+        v = tl.load(V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0)
+        do = tl.load(DO + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0)
         b = tl.minimum(end - blk, BLOCK)
-        kq = apply_decay(tl.dot(k, tl.trans(q), input_precision=PRECISION), mask, SAFE).to(do.dtype)
+        kq = apply_decay(tl.dot(k, tl.trans(q), input_precision=PRECISION), mask, SAFE).to(do.dtype)  # (B, d_k) @ (d_k, B)
         if SAFE:
             do_safe, bad_from = finite_operand(do, offs_r, True)
             dv = poison(tl.dot(kq, do_safe, input_precision=PRECISION), offs_r, bad_from, True)
         else:
-            dv = tl.dot(kq, do, input_precision=PRECISION)
+            dv = tl.dot(kq, do, input_precision=PRECISION)  # (B, B) @ (B, d_v)
         x16 = x.to(k.dtype)
-        dv += tl.dot(k, x16, input_precision=PRECISION) * q_scale[:, None]
-        vdo = apply_decay(tl.dot(v, tl.trans(do), input_precision=PRECISION), mask, SAFE).to(q.dtype)
+        dv += tl.dot(k, x16, input_precision=PRECISION) * q_scale[:, None]  # (B, d_k) @ (d_k, d_v)
+        vdo = apply_decay(tl.dot(v, tl.trans(do), input_precision=PRECISION), mask, SAFE).to(q.dtype)  # (B, d_v) @ (d_v, B)
         if SAFE:
             q_safe, bad_from = finite_operand(q, offs_r, True)
             dk = poison(tl.dot(vdo, q_safe, input_precision=PRECISION), offs_r, bad_from, True)
         else:
-            dk = tl.dot(vdo, q, input_precision=PRECISION)
-        dk += tl.dot(v, tl.trans(x16), input_precision=PRECISION) * q_scale[:, None]
+            dk = tl.dot(vdo, q, input_precision=PRECISION)  # (B, B) @ (B, d_k)
+        dk += tl.dot(v, tl.trans(x16), input_precision=PRECISION) * q_scale[:, None]  # (B, d_v) @ (d_v, d_k)
         k_scale = tl.where(ok, tl.exp2(log2_lam * tl.maximum(b - 1 - offs_r, 0).to(tl.float32)), 0.0)
         qs = (q.to(tl.float32) * k_scale[:, None]).to(q.dtype)
-        x = x * tl.exp2(log2_lam * b.to(tl.float32)) + tl.dot(tl.trans(qs), do, input_precision=PRECISION)
-        tl.store(DK + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kmask)
-        tl.store(DV + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], dv.to(DV.dtype.element_ty), mask=vmask)
+        x = x * tl.exp2(log2_lam * b.to(tl.float32)) + tl.dot(tl.trans(qs), do, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
+        tl.store(DK + rows[:, None] * D_K + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kmask)
+        tl.store(DV + rows[:, None] * D_V + offs_v[None, :], dv.to(DV.dtype.element_ty), mask=vmask)
     return x
 
 
@@ -248,24 +255,31 @@ def _dkdv_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, bh, s
                   D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
                   BLOCK: tl.constexpr, STORE_XN: tl.constexpr, PRECISION: tl.constexpr, SAFE: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
+    Q += head_start(bh, n, D_K)
+    K += head_start(bh, n, D_K)
+    V += head_start(bh, n, D_V)
+    DO += head_start(bh, n, D_V)
+    DK += head_start(bh, n, D_K)
+    DV += head_start(bh, n, D_V)
+    XN += head_start(bh, 1, D_K * D_V)
+    SEG += head_start(bh, num_seg, D_K * D_V)
     offs_r = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, PAD_K)
     offs_v = tl.arange(0, PAD_V)
     k_ok = offs_k < D_K
     v_ok = offs_v < D_V
+    state_offs = offs_k[:, None] * D_V + offs_v[None, :]
     state_ok = k_ok[:, None] & v_ok[None, :]
-    x = _incoming_state(XN, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v, state_ok,
-                        D_K, D_V, PAD_K, PAD_V, False)
-    gap = offs_r[:, None] - offs_r[None, :]
-    mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), dropped(SAFE))
+    x = _incoming_state(XN, SEG, seg, log2_lam, seg_len, state_offs, state_ok, D_K, D_V, PAD_K, PAD_V, False)
+    mask = decay_tile(log2_lam, offs_r, offs_r, SAFE)
     q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
     start = seg * seg_len
     end = tl.minimum(start + seg_len, n)
-    x = _dkdv_sweep(Q, K, V, DO, DK, DV, x, bh, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask,
+    x = _dkdv_sweep(Q, K, V, DO, DK, DV, x, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask,
                     q_scale, D_K, D_V, BLOCK, PRECISION, SAFE)
     if STORE_XN:
         if seg == num_seg - 1:
-            tl.store(XN + bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], x, mask=state_ok)
+            tl.store(XN + state_offs, x, mask=state_ok)
     return x
 
 
@@ -284,13 +298,11 @@ def _la2_fast_dkdv_kernel(
     """
     num_seg = tl.cdiv(n, seg_len)
     if SAFE:
-        first = tl.program_id(0) * SCAN
-        ids = first + tl.arange(0, SCAN)
-        if tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0:
-            for i in range(first, tl.minimum(first + SCAN, n_programs)):
-                if tl.load(FLAG + i) != 0:
-                    _dkdv_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, i // num_seg, i % num_seg,
-                                  num_seg, D_K, D_V, PAD_K, PAD_V, BLOCK, STORE_XN, PRECISION, True)
+        first, stop = flagged_range(FLAG, n_programs, SCAN)
+        for i in range(first, stop):
+            if tl.load(FLAG + i) != 0:
+                _dkdv_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, i // num_seg, i % num_seg,
+                              num_seg, D_K, D_V, PAD_K, PAD_V, BLOCK, STORE_XN, PRECISION, True)
     else:
         bh = tl.program_id(0)
         seg = tl.program_id(1)
@@ -303,8 +315,6 @@ def _la2_fast_dkdv_kernel(
 
 # ---------------------------------------------------------------------------------------------------
 # Launchers. Inputs: contiguous (batch, heads, n, d) tensors; log2_decay float32 (heads,).
-
-
 
 
 def _sm_count(device) -> int:

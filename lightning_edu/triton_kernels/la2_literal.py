@@ -20,8 +20,8 @@ import triton.language as tl
 
 from ..validation import validate_head_dims
 from ._tiles import (
-    apply_decay, clear_flag, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite, pad_dim, poison,
-    refuse_interpreted_bf16,
+    apply_decay, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite, flagged_range,
+    head_start, pad_dim, poison, refuse_interpreted_bf16,
 )
 
 __all__ = [
@@ -34,8 +34,7 @@ __all__ = [
 def _decay_factors(log2_lam, offs_r, b, BLOCK: tl.constexpr, SAFE: tl.constexpr):
     """M (BLOCK x BLOCK: lambda^(r-s) for r >= s, ``dropped(SAFE)`` above the diagonal), lambda^(r+1),
     lambda^(b-1-r) (0 on padded rows) and lambda^b for b valid rows. Score tiles: ``apply_decay(dot, M, SAFE)``."""
-    gap = offs_r[:, None] - offs_r[None, :]
-    mask = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), dropped(SAFE))
+    mask = decay_tile(log2_lam, offs_r, offs_r, SAFE)
     q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
     k_scale = tl.where(offs_r < b, tl.exp2(log2_lam * tl.maximum(b - 1 - offs_r, 0).to(tl.float32)), 0.0)
     block_decay = tl.exp2(log2_lam * b.to(tl.float32))
@@ -53,41 +52,47 @@ def _forward_program(Q, K, V, O, S0, SN, LOG2_DECAY, n, H, bh, pid_v,
                      BLOCK: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr, PRECISION: tl.constexpr,
                      SAFE: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
+    Q += head_start(bh, n, D_K)
+    K += head_start(bh, n, D_K)
+    V += head_start(bh, n, D_V)
+    O += head_start(bh, n, D_V)
+    S0 += head_start(bh, 1, D_K * D_V)
+    SN += head_start(bh, 1, D_K * D_V)
     offs_r = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, PAD_K)
     offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
     k_ok = offs_k < D_K
     v_ok = offs_v < D_V
-    state_ptrs = bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :]
+    state_offs = offs_k[:, None] * D_V + offs_v[None, :]
     state_ok = k_ok[:, None] & v_ok[None, :]
     # KV lives on chip, in fp32, for the whole sequence (Algorithm 1: "KV = 0" before the loop).
     kv = tl.zeros((PAD_K, BLOCK_DV), dtype=tl.float32)
     if HAS_S0:
-        kv = tl.load(S0 + state_ptrs, mask=state_ok, other=0.0).to(tl.float32)
+        kv = tl.load(S0 + state_offs, mask=state_ok, other=0.0).to(tl.float32)
     for start in range(0, n, BLOCK):
         rows = start + offs_r
         row_ok = rows < n
         b = tl.minimum(n - start, BLOCK)
         # Load Q_i, K_i, V_i from HBM to on-chip SRAM.
-        q = tl.load(Q + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        q = tl.load(Q + rows[:, None] * D_K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        k = tl.load(K + rows[:, None] * D_K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        v = tl.load(V + rows[:, None] * D_V + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
         mask, q_scale, k_scale, block_decay = _decay_factors(log2_lam, offs_r, b, BLOCK, SAFE)
         # O_intra = [(Q_i K_i^T) * M] V_i
-        scores = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, SAFE)
+        scores = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, SAFE)  # (B, d_k) @ (d_k, B)
         if SAFE:  # a non-finite v_s reaches rows r >= s only; the state update below keeps the raw V_i
             v_safe, bad_from = finite_operand(v, offs_r, True)
             o = poison(tl.dot(scores, v_safe, input_precision=PRECISION), offs_r, bad_from, True)
         else:
-            o = tl.dot(scores, v, input_precision=PRECISION)
+            o = tl.dot(scores, v, input_precision=PRECISION)  # (B, B) @ (B, d_v)
         # O_inter = Lambda Q_i KV,  Lambda = diag(lambda^1 .. lambda^B)
-        o += tl.dot(q * q_scale[:, None], kv, input_precision=PRECISION)
+        o += tl.dot(q * q_scale[:, None], kv, input_precision=PRECISION)  # (B, d_k) @ (d_k, d_v)
         # KV = lambda^B KV + (lambda^B Lambda^-1 K_i)^T V_i, with lambda^B Lambda^-1 = diag(lambda^(b-1-r)) formed directly
-        kv = kv * block_decay + tl.dot(tl.trans(k * k_scale[:, None]), v, input_precision=PRECISION)
+        kv = kv * block_decay + tl.dot(tl.trans(k * k_scale[:, None]), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
         # Write O_i = O_intra + O_inter to HBM.
-        tl.store(O + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
+        tl.store(O + rows[:, None] * D_V + offs_v[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])
     if STORE_SN:
-        tl.store(SN + state_ptrs, kv, mask=state_ok)
+        tl.store(SN + state_offs, kv, mask=state_ok)
     return kv
 
 
@@ -102,13 +107,11 @@ def la2_literal_forward_kernel(
     Exact pass (SAFE): grid from _tiles.exact_pass_grid, STORE_SN off."""
     slices: tl.constexpr = (D_V + BLOCK_DV - 1) // BLOCK_DV
     if SAFE:
-        first = tl.program_id(0) * SCAN
-        ids = first + tl.arange(0, SCAN)
-        if tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0:
-            for i in range(first, tl.minimum(first + SCAN, n_programs)):
-                if tl.load(FLAG + i) != 0:
-                    _forward_program(Q, K, V, O, S0, SN, LOG2_DECAY, n, H, i // slices, i % slices, D_K, D_V, PAD_K,
-                                     BLOCK_DV, BLOCK, HAS_S0, STORE_SN, PRECISION, True)
+        first, stop = flagged_range(FLAG, n_programs, SCAN)
+        for i in range(first, stop):
+            if tl.load(FLAG + i) != 0:
+                _forward_program(Q, K, V, O, S0, SN, LOG2_DECAY, n, H, i // slices, i % slices, D_K, D_V, PAD_K,
+                                 BLOCK_DV, BLOCK, HAS_S0, STORE_SN, PRECISION, True)
     else:
         bh = tl.program_id(0)
         pid_v = tl.program_id(1)
@@ -124,6 +127,11 @@ def _dq_program(K, V, DO, DQ, S0, LOG2_DECAY, n, H, bh, pid_k,
                 D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, PAD_V: tl.constexpr,
                 BLOCK: tl.constexpr, HAS_S0: tl.constexpr, PRECISION: tl.constexpr, SAFE: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
+    K += head_start(bh, n, D_K)
+    V += head_start(bh, n, D_V)
+    DO += head_start(bh, n, D_V)
+    DQ += head_start(bh, n, D_K)
+    S0 += head_start(bh, 1, D_K * D_V)
     offs_r = tl.arange(0, BLOCK)
     offs_k = pid_k * BLOCK_DK + tl.arange(0, BLOCK_DK)
     offs_v = tl.arange(0, PAD_V)
@@ -131,24 +139,24 @@ def _dq_program(K, V, DO, DQ, S0, LOG2_DECAY, n, H, bh, pid_k,
     v_ok = offs_v < D_V
     kv = tl.zeros((BLOCK_DK, PAD_V), dtype=tl.float32)
     if HAS_S0:
-        kv = tl.load(S0 + bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        kv = tl.load(S0 + offs_k[:, None] * D_V + offs_v[None, :], mask=k_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
     for start in range(0, n, BLOCK):
         rows = start + offs_r
         row_ok = rows < n
         b = tl.minimum(n - start, BLOCK)
-        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        do = tl.load(DO + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        k = tl.load(K + rows[:, None] * D_K + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        v = tl.load(V + rows[:, None] * D_V + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        do = tl.load(DO + rows[:, None] * D_V + offs_v[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
         mask, q_scale, k_scale, block_decay = _decay_factors(log2_lam, offs_r, b, BLOCK, SAFE)
-        scores = apply_decay(tl.dot(do, tl.trans(v), input_precision=PRECISION), mask, SAFE)  # (dO_i V_i^T) * M
+        scores = apply_decay(tl.dot(do, tl.trans(v), input_precision=PRECISION), mask, SAFE)  # (dO_i V_i^T) * M: (B, d_v) @ (d_v, B)
         if SAFE:
             k_safe, bad_from = finite_operand(k, offs_r, True)
             dq = poison(tl.dot(scores, k_safe, input_precision=PRECISION), offs_r, bad_from, True)
         else:
-            dq = tl.dot(scores, k, input_precision=PRECISION)
-        dq += tl.dot(do * q_scale[:, None], tl.trans(kv), input_precision=PRECISION)  # Lambda dO_i KV^T
-        kv = kv * block_decay + tl.dot(tl.trans(k * k_scale[:, None]), v, input_precision=PRECISION)
-        tl.store(DQ + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & k_ok[None, :])
+            dq = tl.dot(scores, k, input_precision=PRECISION)  # (B, B) @ (B, d_k)
+        dq += tl.dot(do * q_scale[:, None], tl.trans(kv), input_precision=PRECISION)  # Lambda dO_i KV^T: (B, d_v) @ (d_v, d_k)
+        kv = kv * block_decay + tl.dot(tl.trans(k * k_scale[:, None]), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
+        tl.store(DQ + rows[:, None] * D_K + offs_k[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & k_ok[None, :])
     return kv
 
 
@@ -166,13 +174,11 @@ def la2_literal_dq_kernel(
     """
     slices: tl.constexpr = (D_K + BLOCK_DK - 1) // BLOCK_DK
     if SAFE:
-        first = tl.program_id(0) * SCAN
-        ids = first + tl.arange(0, SCAN)
-        if tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0:
-            for i in range(first, tl.minimum(first + SCAN, n_programs)):
-                if tl.load(FLAG + i) != 0:
-                    _dq_program(K, V, DO, DQ, S0, LOG2_DECAY, n, H, i // slices, i % slices, D_K, D_V, BLOCK_DK, PAD_V,
-                                BLOCK, HAS_S0, PRECISION, True)
+        first, stop = flagged_range(FLAG, n_programs, SCAN)
+        for i in range(first, stop):
+            if tl.load(FLAG + i) != 0:
+                _dq_program(K, V, DO, DQ, S0, LOG2_DECAY, n, H, i // slices, i % slices, D_K, D_V, BLOCK_DK, PAD_V,
+                            BLOCK, HAS_S0, PRECISION, True)
     else:
         bh = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -189,16 +195,24 @@ def _dkdv_program(Q, K, V, DO, DK, DV, DSN, DS0, LOG2_DECAY, n, H, bh,
                   BLOCK: tl.constexpr, HAS_DSN: tl.constexpr, STORE_DS0: tl.constexpr, PRECISION: tl.constexpr,
                   SAFE: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
+    Q += head_start(bh, n, D_K)
+    K += head_start(bh, n, D_K)
+    V += head_start(bh, n, D_V)
+    DO += head_start(bh, n, D_V)
+    DK += head_start(bh, n, D_K)
+    DV += head_start(bh, n, D_V)
+    DSN += head_start(bh, 1, D_K * D_V)
+    DS0 += head_start(bh, 1, D_K * D_V)
     offs_r = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, PAD_K)
     offs_v = tl.arange(0, PAD_V)
     k_ok = offs_k < D_K
     v_ok = offs_v < D_V
-    state_ptrs = bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :]
+    state_offs = offs_k[:, None] * D_V + offs_v[None, :]
     state_ok = k_ok[:, None] & v_ok[None, :]
     dkv = tl.zeros((PAD_K, PAD_V), dtype=tl.float32)
     if HAS_DSN:
-        dkv = tl.load(DSN + state_ptrs, mask=state_ok, other=0.0).to(tl.float32)
+        dkv = tl.load(DSN + state_offs, mask=state_ok, other=0.0).to(tl.float32)
     num_blocks = tl.cdiv(n, BLOCK)
     for i in range(0, num_blocks):
         start = (num_blocks - 1 - i) * BLOCK
@@ -207,31 +221,31 @@ def _dkdv_program(Q, K, V, DO, DK, DV, DSN, DS0, LOG2_DECAY, n, H, bh,
         b = tl.minimum(n - start, BLOCK)
         kmask = row_ok[:, None] & k_ok[None, :]
         vmask = row_ok[:, None] & v_ok[None, :]
-        q = tl.load(Q + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=kmask, other=0.0).to(tl.float32)
-        k = tl.load(K + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], mask=kmask, other=0.0).to(tl.float32)
-        v = tl.load(V + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0).to(tl.float32)
-        do = tl.load(DO + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0).to(tl.float32)
+        q = tl.load(Q + rows[:, None] * D_K + offs_k[None, :], mask=kmask, other=0.0).to(tl.float32)
+        k = tl.load(K + rows[:, None] * D_K + offs_k[None, :], mask=kmask, other=0.0).to(tl.float32)
+        v = tl.load(V + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0).to(tl.float32)
+        do = tl.load(DO + rows[:, None] * D_V + offs_v[None, :], mask=vmask, other=0.0).to(tl.float32)
         mask, q_scale, k_scale, block_decay = _decay_factors(log2_lam, offs_r, b, BLOCK, SAFE)
         # With SAFE: key row s receives from rows r >= s, so a non-finite q_r or do_r reaches rows s <= r only.
-        dov = apply_decay(tl.dot(do, tl.trans(v), input_precision=PRECISION), mask, SAFE)
+        dov = apply_decay(tl.dot(do, tl.trans(v), input_precision=PRECISION), mask, SAFE)  # (B, d_v) @ (d_v, B)
         if SAFE:
             q_safe, bad_to = finite_operand(q, offs_r, False)
             dk = poison(tl.dot(tl.trans(dov), q_safe, input_precision=PRECISION), offs_r, bad_to, False)
         else:
-            dk = tl.dot(tl.trans(dov), q, input_precision=PRECISION)
-        dk += tl.dot(v * k_scale[:, None], tl.trans(dkv), input_precision=PRECISION)
-        qk = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, SAFE)
+            dk = tl.dot(tl.trans(dov), q, input_precision=PRECISION)  # (B, B) @ (B, d_k)
+        dk += tl.dot(v * k_scale[:, None], tl.trans(dkv), input_precision=PRECISION)  # (B, d_v) @ (d_v, d_k)
+        qk = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, SAFE)  # (B, d_k) @ (d_k, B)
         if SAFE:
             do_safe, bad_to = finite_operand(do, offs_r, False)
             dv = poison(tl.dot(tl.trans(qk), do_safe, input_precision=PRECISION), offs_r, bad_to, False)
         else:
-            dv = tl.dot(tl.trans(qk), do, input_precision=PRECISION)
-        dv += tl.dot(k * k_scale[:, None], dkv, input_precision=PRECISION)
-        dkv = dkv * block_decay + tl.dot(tl.trans(q * q_scale[:, None]), do, input_precision=PRECISION)
-        tl.store(DK + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kmask)
-        tl.store(DV + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], dv.to(DV.dtype.element_ty), mask=vmask)
+            dv = tl.dot(tl.trans(qk), do, input_precision=PRECISION)  # (B, B) @ (B, d_v)
+        dv += tl.dot(k * k_scale[:, None], dkv, input_precision=PRECISION)  # (B, d_k) @ (d_k, d_v)
+        dkv = dkv * block_decay + tl.dot(tl.trans(q * q_scale[:, None]), do, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
+        tl.store(DK + rows[:, None] * D_K + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=kmask)
+        tl.store(DV + rows[:, None] * D_V + offs_v[None, :], dv.to(DV.dtype.element_ty), mask=vmask)
     if STORE_DS0:
-        tl.store(DS0 + state_ptrs, dkv, mask=state_ok)
+        tl.store(DS0 + state_offs, dkv, mask=state_ok)
     return dkv
 
 
@@ -250,13 +264,11 @@ def la2_literal_dkdv_kernel(
     dKV  = lambda^B dKV + (Lambda Q_i)^T dO_i
     """
     if SAFE:
-        first = tl.program_id(0) * SCAN
-        ids = first + tl.arange(0, SCAN)
-        if tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0:
-            for i in range(first, tl.minimum(first + SCAN, n_programs)):
-                if tl.load(FLAG + i) != 0:
-                    _dkdv_program(Q, K, V, DO, DK, DV, DSN, DS0, LOG2_DECAY, n, H, i, D_K, D_V, PAD_K, PAD_V, BLOCK,
-                                  HAS_DSN, STORE_DS0, PRECISION, True)
+        first, stop = flagged_range(FLAG, n_programs, SCAN)
+        for i in range(first, stop):
+            if tl.load(FLAG + i) != 0:
+                _dkdv_program(Q, K, V, DO, DK, DV, DSN, DS0, LOG2_DECAY, n, H, i, D_K, D_V, PAD_K, PAD_V, BLOCK,
+                              HAS_DSN, STORE_DS0, PRECISION, True)
     else:
         bh = tl.program_id(0)
         flag = FLAG + bh

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from ._tiles import (
-    apply_decay, clear_flag, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite, pad_dim, poison,
-    refuse_interpreted_bf16, sm_count,
+    apply_decay, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite, flagged_range,
+    head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 from .la2_fast import _incoming_state, _segment_state_kernel, choose_segments, dq_pass, finish_backward
 
@@ -59,14 +59,14 @@ def la3_tiles(dtype) -> dict:
 
 
 @triton.jit
-def _tile(X, bh, p, ok, n, offs_d, d_ok, D: tl.constexpr):
-    """Rows at processing positions ``p`` (reverse order: memory row n - 1 - p) of a (batch*heads, n, D) tensor."""
+def _tile(X, p, ok, n, offs_d, d_ok, D: tl.constexpr):
+    """Rows at processing positions ``p`` (reverse order: memory row n - 1 - p) of one head's (n, D) rows."""
     rows = n - 1 - p
-    return tl.load(X + bh * n * D + rows[:, None] * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    return tl.load(X + rows[:, None] * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
 
 
 @triton.jit
-def _la3_chunk(Q, K, V, DO, DK, DV, x, bh, blk, end, n, log2_lam, offs_c, offs_k, offs_v, k_ok, v_ok, diag,
+def _la3_chunk(Q, K, V, DO, DK, DV, x, blk, end, n, log2_lam, offs_c, offs_k, offs_v, k_ok, v_ok, diag,
                D_K: tl.constexpr, D_V: tl.constexpr, CHUNK: tl.constexpr, MICRO: tl.constexpr,
                PRECISION: tl.constexpr, SAFE: tl.constexpr):
     """dK and dV of one chunk (processing positions [blk, blk + CHUNK) cut at ``end``) from the state ``x``;
@@ -75,23 +75,23 @@ def _la3_chunk(Q, K, V, DO, DK, DV, x, bh, blk, end, n, log2_lam, offs_c, offs_k
     for i in tl.static_range(CHUNK // MICRO):
         p_i = blk + i * MICRO + offs_c
         ok_i = p_i < end
-        k_i = _tile(K, bh, p_i, ok_i, n, offs_k, k_ok, D_K)                                 # (c, d_k)
-        v_i = _tile(V, bh, p_i, ok_i, n, offs_v, v_ok, D_V)                                 # (c, d_v)
+        k_i = _tile(K, p_i, ok_i, n, offs_k, k_ok, D_K)                                 # (c, d_k)
+        v_i = _tile(V, p_i, ok_i, n, offs_v, v_ok, D_V)                                 # (c, d_v)
         q_scale = tl.exp2(log2_lam * (i * MICRO + offs_c + 1).to(tl.float32))[:, None]      # lambda^(r+1)
         dv = tl.dot(k_i, x16, input_precision=PRECISION) * q_scale                          # (c, d_k) @ (d_k, d_v)
         dk = tl.dot(v_i, tl.trans(x16), input_precision=PRECISION) * q_scale                # (c, d_v) @ (d_v, d_k)
         for j in tl.static_range(i):  # earlier micro-chunks: every pair is kept, exponent >= 1
             p_j = blk + j * MICRO + offs_c
             ok_j = p_j < end
-            q_j = _tile(Q, bh, p_j, ok_j, n, offs_k, k_ok, D_K)
-            do_j = _tile(DO, bh, p_j, ok_j, n, offs_v, v_ok, D_V)
+            q_j = _tile(Q, p_j, ok_j, n, offs_k, k_ok, D_K)
+            do_j = _tile(DO, p_j, ok_j, n, offs_v, v_ok, D_V)
             l_ij = tl.exp2(log2_lam * ((i - j) * MICRO + offs_c[:, None] - offs_c[None, :]).to(tl.float32))
             a = tl.dot(k_i, tl.trans(q_j), input_precision=PRECISION) * l_ij                # (c, c) scores
             dv += tl.dot(a.to(do_j.dtype), do_j, input_precision=PRECISION)                 # (c, c) @ (c, d_v)
             da = tl.dot(v_i, tl.trans(do_j), input_precision=PRECISION) * l_ij              # (c, c) score grads
             dk += tl.dot(da.to(q_j.dtype), q_j, input_precision=PRECISION)                  # (c, c) @ (c, d_k)
-        q_i = _tile(Q, bh, p_i, ok_i, n, offs_k, k_ok, D_K)  # the diagonal tile: causal inside
-        do_i = _tile(DO, bh, p_i, ok_i, n, offs_v, v_ok, D_V)
+        q_i = _tile(Q, p_i, ok_i, n, offs_k, k_ok, D_K)  # the diagonal tile: causal inside
+        do_i = _tile(DO, p_i, ok_i, n, offs_v, v_ok, D_V)
         a = apply_decay(tl.dot(k_i, tl.trans(q_i), input_precision=PRECISION), diag, SAFE).to(do_i.dtype)
         da = apply_decay(tl.dot(v_i, tl.trans(do_i), input_precision=PRECISION), diag, SAFE).to(q_i.dtype)
         if SAFE:
@@ -103,18 +103,16 @@ def _la3_chunk(Q, K, V, DO, DK, DV, x, bh, blk, end, n, log2_lam, offs_c, offs_k
             dv += tl.dot(a, do_i, input_precision=PRECISION)
             dk += tl.dot(da, q_i, input_precision=PRECISION)
         rows = n - 1 - p_i
-        tl.store(DK + bh * n * D_K + rows[:, None] * D_K + offs_k[None, :], dk.to(DK.dtype.element_ty),
-                 mask=ok_i[:, None] & k_ok[None, :])
-        tl.store(DV + bh * n * D_V + rows[:, None] * D_V + offs_v[None, :], dv.to(DV.dtype.element_ty),
-                 mask=ok_i[:, None] & v_ok[None, :])
+        tl.store(DK + rows[:, None] * D_K + offs_k[None, :], dk.to(DK.dtype.element_ty), mask=ok_i[:, None] & k_ok[None, :])
+        tl.store(DV + rows[:, None] * D_V + offs_v[None, :], dv.to(DV.dtype.element_ty), mask=ok_i[:, None] & v_ok[None, :])
     # Only now the state takes the chunk's own pairs (read before update), one micro-chunk at a time.
     b = tl.minimum(end - blk, CHUNK)
     x = x * tl.exp2(log2_lam * b.to(tl.float32))
     for j in tl.static_range(CHUNK // MICRO):
         p_j = blk + j * MICRO + offs_c
         ok_j = p_j < end
-        q_j = _tile(Q, bh, p_j, ok_j, n, offs_k, k_ok, D_K)
-        do_j = _tile(DO, bh, p_j, ok_j, n, offs_v, v_ok, D_V)
+        q_j = _tile(Q, p_j, ok_j, n, offs_k, k_ok, D_K)
+        do_j = _tile(DO, p_j, ok_j, n, offs_v, v_ok, D_V)
         k_scale = tl.where(ok_j, tl.exp2(log2_lam * tl.maximum(b - 1 - j * MICRO - offs_c, 0).to(tl.float32)), 0.0)
         qs = (q_j.to(tl.float32) * k_scale[:, None]).to(q_j.dtype)
         x += tl.dot(tl.trans(qs), do_j, input_precision=PRECISION)                      # (d_k, c) @ (c, d_v)
@@ -127,24 +125,31 @@ def _la3_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, bh, se
                  CHUNK: tl.constexpr, MICRO: tl.constexpr, STORE_XN: tl.constexpr, PRECISION: tl.constexpr,
                  SAFE: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
+    Q += head_start(bh, n, D_K)
+    K += head_start(bh, n, D_K)
+    V += head_start(bh, n, D_V)
+    DO += head_start(bh, n, D_V)
+    DK += head_start(bh, n, D_K)
+    DV += head_start(bh, n, D_V)
+    XN += head_start(bh, 1, D_K * D_V)
+    SEG += head_start(bh, num_seg, D_K * D_V)
     offs_c = tl.arange(0, MICRO)
     offs_k = tl.arange(0, PAD_K)
     offs_v = tl.arange(0, PAD_V)
     k_ok = offs_k < D_K
     v_ok = offs_v < D_V
+    state_offs = offs_k[:, None] * D_V + offs_v[None, :]
     state_ok = k_ok[:, None] & v_ok[None, :]
-    x = _incoming_state(XN, SEG, bh, seg, num_seg, log2_lam, seg_len, offs_k, offs_v, state_ok,
-                        D_K, D_V, PAD_K, PAD_V, False)
-    gap = offs_c[:, None] - offs_c[None, :]
-    diag = tl.where(gap >= 0, tl.exp2(log2_lam * tl.maximum(gap, 0).to(tl.float32)), dropped(SAFE))
+    x = _incoming_state(XN, SEG, seg, log2_lam, seg_len, state_offs, state_ok, D_K, D_V, PAD_K, PAD_V, False)
+    diag = decay_tile(log2_lam, offs_c, offs_c, SAFE)  # the causal (c, c) tile on the diagonal
     start = seg * seg_len
     end = tl.minimum(start + seg_len, n)
     for blk in range(start, end, CHUNK):
-        x = _la3_chunk(Q, K, V, DO, DK, DV, x, bh, blk, end, n, log2_lam, offs_c, offs_k, offs_v, k_ok, v_ok, diag,
+        x = _la3_chunk(Q, K, V, DO, DK, DV, x, blk, end, n, log2_lam, offs_c, offs_k, offs_v, k_ok, v_ok, diag,
                        D_K, D_V, CHUNK, MICRO, PRECISION, SAFE)
     if STORE_XN:
         if seg == num_seg - 1:
-            tl.store(XN + bh * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], x, mask=state_ok)
+            tl.store(XN + state_offs, x, mask=state_ok)
     return x
 
 
@@ -162,13 +167,11 @@ def _la3_dkdv_kernel(
     """
     num_seg = tl.cdiv(n, seg_len)
     if SAFE:
-        first = tl.program_id(0) * SCAN
-        ids = first + tl.arange(0, SCAN)
-        if tl.max(tl.load(FLAG + ids, mask=ids < n_programs, other=0), axis=0) != 0:
-            for i in range(first, tl.minimum(first + SCAN, n_programs)):
-                if tl.load(FLAG + i) != 0:
-                    _la3_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, i // num_seg, i % num_seg,
-                                 num_seg, D_K, D_V, PAD_K, PAD_V, CHUNK, MICRO, STORE_XN, PRECISION, True)
+        first, stop = flagged_range(FLAG, n_programs, SCAN)
+        for i in range(first, stop):
+            if tl.load(FLAG + i) != 0:
+                _la3_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, i // num_seg, i % num_seg,
+                             num_seg, D_K, D_V, PAD_K, PAD_V, CHUNK, MICRO, STORE_XN, PRECISION, True)
     else:
         bh = tl.program_id(0)
         seg = tl.program_id(1)

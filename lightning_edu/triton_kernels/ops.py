@@ -4,7 +4,8 @@
 namespace ``lightning_edu``::
 
     lightning_edu::la2_forward(Tensor q, Tensor k, Tensor v, Tensor log2_decay, Tensor? initial_state=None,
-                               int? block_size=None) -> (Tensor o, Tensor final_state, Tensor incoming)
+                               int? block_size=None, bool save_states=True)
+                               -> (Tensor o, Tensor final_state, Tensor incoming)
     lightning_edu::la2_backward(Tensor q, Tensor k, Tensor v, Tensor do, Tensor log2_decay,
                                 Tensor? initial_state, Tensor? d_final_state, Tensor incoming,
                                 int? block_size=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor d_initial_state)
@@ -13,8 +14,10 @@ q, k: (batch, heads, n, d_k); v, do: (batch, heads, n, d_v); log2_decay: float32
 initial_state, d_final_state: (batch, heads, d_k, d_v) or None. o, dq, dk, dv come back in the dtypes of v, q,
 k, v; final_state and d_initial_state in float32. ``incoming`` is what the forward saves for the backward's dQ
 pass: every segment's incoming state, float32 (batch * heads, num_segments, d_k, d_v), or an empty float32
-tensor of shape (0,) when the sequence is one segment (an op returns tensors, never None). It is marked
-non-differentiable.
+tensor of shape (0,) when the sequence is one segment or ``save_states`` is False (an op returns tensors, never
+None). It is marked non-differentiable. :func:`~lightning_edu.triton_kernels.triton_attention` passes
+``save_states=False`` when no gradient can be asked for (grad mode off, or no input requiring one): inference
+then writes no segment states (at 32K tokens, d = 128, 16 heads: 17 states of 64 KB per head).
 
 Why an op. Dynamo cannot trace into a Triton launch (Python-side grids, a pre-pass, the two-pass NaN scheme,
 int flags), and an ``autograd.Function`` that launches kernels is a graph break. A custom op is one node of
@@ -88,26 +91,28 @@ def _contiguous(*xs):
 
 @torch.library.custom_op("lightning_edu::la2_forward", mutates_args=())
 def la2_forward(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_state: Tensor | None = None,
-                block_size: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(o in v's dtype, final_state fp32, incoming): la2_fast's forward with its segment states saved."""
+                block_size: int | None = None, save_states: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """(o in v's dtype, final_state fp32, incoming): la2_fast's forward, its segment states saved when
+    ``save_states``."""
     cfg, seg_len, num_seg = launch_plan(q, v, block_size)
     out_dtype = v.dtype
     q, k, v = upcast_for_interpreter(*_contiguous(q, k, v))
-    o, sn, (_, incoming) = la2_fast_forward(q, k, v, log2_decay.float().contiguous(), initial_state,
-                                            save_states=True, seg_len=seg_len, **cfg)
-    if incoming is None:  # one segment: nothing to save, and an op returns a tensor
+    o, sn, *saved = la2_fast_forward(q, k, v, log2_decay.float().contiguous(), initial_state,
+                                     save_states=save_states, seg_len=seg_len, **cfg)
+    incoming = saved[0][1] if saved else None
+    if incoming is None:  # one segment, or not asked: nothing saved, and an op returns a tensor
         incoming = sn.new_empty(0)
     return o.to(out_dtype), sn, incoming
 
 
 @la2_forward.register_fake
-def _la2_forward_fake(q, k, v, log2_decay, initial_state=None, block_size=None):
+def _la2_forward_fake(q, k, v, log2_decay, initial_state=None, block_size=None, save_states=True):
     _, _, num_seg = launch_plan(q, v, block_size)
     batch, heads, _, d_k = q.shape
     d_v = v.shape[-1]
     o = v.new_empty(v.shape)
     sn = q.new_empty((batch, heads, d_k, d_v), dtype=torch.float32)
-    if num_seg > 1:
+    if save_states and num_seg > 1:
         incoming = q.new_empty((batch * heads, num_seg, d_k, d_v), dtype=torch.float32)
     else:
         incoming = q.new_empty((0,), dtype=torch.float32)
@@ -144,7 +149,7 @@ def _la2_backward_fake(q, k, v, do, log2_decay, initial_state, d_final_state, in
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, log2_decay, initial_state, block_size = inputs
+    q, k, v, log2_decay, initial_state, block_size, _save_states = inputs
     incoming = output[2]
     ctx.set_materialize_grads(False)  # an unused final state must not cost a zero-gradient pass
     ctx.mark_non_differentiable(incoming)
@@ -154,9 +159,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, d_sn, _d_incoming):
     q, k, v, log2_decay, initial_state, incoming = ctx.saved_tensors
-    needs = ctx.needs_input_grad  # (q, k, v, log2_decay, initial_state, block_size)
+    needs = ctx.needs_input_grad  # (q, k, v, log2_decay, initial_state, block_size, save_states)
     if do is None and d_sn is None:
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     if do is None:
         do = torch.zeros_like(v)
     log2_decay = log2_decay.detach()
@@ -167,7 +172,7 @@ def _backward(ctx, do, d_sn, _d_incoming):
         lam = torch.exp2(log2_decay.double())
         d_log2 = (decay_gradient(qc, kc, vc, doc, lam, initial_state, d_sn) * math.log(2.0)).to(log2_decay.dtype)
     d_state = ds0.to(initial_state.dtype) if initial_state is not None and needs[4] else None
-    return dq, dk, dv, d_log2, d_state, None
+    return dq, dk, dv, d_log2, d_state, None, None
 
 
 la2_forward.register_autograd(_backward, setup_context=_setup_context)
