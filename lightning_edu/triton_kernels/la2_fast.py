@@ -449,9 +449,12 @@ def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end):
 
     heads, n = q.shape[1], q.shape[2]
     # x_end = sum_t lambda^t q_t^T do_t (0-based t); dL/dS0 = sum_t lambda^(t+1) q_t^T do_t (+ lambda^n dSN).
-    lam = torch.exp2(log2_decay.double()).view(1, heads, 1, 1)
-    ds0 = (x_end.double() * lam).float()
+    # Two small ops on the usual path (no final-state gradient): each costs the host ~15 us, as much as
+    # the GPU takes for it, and a short backward is bound by the host.
+    lam = torch.exp2(log2_decay.float()).view(1, heads, 1, 1)
+    ds0 = x_end.mul_(lam)  # x_end is this backward's own fp32 buffer
     if d_final_state is not None:
+        lam = torch.exp2(log2_decay.double()).view(1, heads, 1, 1)  # float64: lam**n below magnifies its error n times
         # The final state's gradient reaches token t through lambda^(n-1-t): a rank-d update, done in torch in
         # fp32 (the kernels' accumulation precision), one term at a time.
         t = torch.arange(n, device=q.device, dtype=torch.float32)
