@@ -203,6 +203,11 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
         raise ValueError(f"la3 supports d_k, d_v <= {MAX_HEAD_DIM} (its fp32 state would not fit on chip), got "
                          f"d_k = {d_k}, d_v = {d_v}; use la2_fast")
     pad_k, pad_v = pad_dim(d_k), pad_dim(d_v)
+    if q.is_cuda and micro == 64 and (pad_k, pad_v) == (64, 32):
+        # Compiled by Triton 3.6 for an H100, the 16-bit kernel with 64-row micro-chunks at d_k = 64, d_v = 32
+        # reads outside its tensors (an illegal memory access), while d = (64, 16), (32, 64), (64, 64), (128, 64)
+        # and 16-row micro-chunks at (64, 32) run correctly: a compiler fault, so this shape takes 16-row tiles.
+        micro = 16
     if seg_len is not None and seg_len % chunk:
         seg_len = -(-seg_len // chunk) * chunk
     num_seg, seg_len = choose_segments(batch * heads, n, chunk, sm_count(q.device), seg_len)

@@ -30,7 +30,9 @@ def _np(x):
 
 
 @pytest.mark.parametrize("tiles", sorted(TILES))
-@pytest.mark.parametrize("shape", [(2, 3, 1000, 64, 64), (1, 3, 4099, 128, 128), (1, 2, 333, 128, 64), (1, 3, 77, 16, 32)],
+# (2, 3, 517, 64, 32): 64-row micro-chunks fault there on Triton 3.6 (an H100), so la3_dkdv takes 16-row ones.
+@pytest.mark.parametrize("shape", [(2, 3, 1000, 64, 64), (1, 3, 4099, 128, 128), (1, 2, 333, 128, 64), (1, 3, 77, 16, 32),
+                                   (2, 3, 517, 64, 32)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_every_tile_choice_is_correct_in_bf16(shape, tiles):
     q, k, v, do, s0, dsn = _case(*shape, torch.bfloat16)
