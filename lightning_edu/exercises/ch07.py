@@ -44,7 +44,7 @@ def _launch_error(what: str, exc: Exception) -> ExerciseError:
     )
 
 
-@exercise("7.1", reveals=("_decay_tile",), kernel=True)
+@exercise("7.1", reveals=("_decay_tile", "decay_tile"), kernel=True)
 def check_decay_tile(decay_tile_kernel, seed: int = 0) -> None:
     """``decay_tile_kernel[(1,)](out, log2_lambda, row_start, col_start, n, BLOCK=16)`` must write the tile
     D[r, s] = lambda^((row_start + r) - (col_start + s)) for row >= col, both < n, else 0, into the

@@ -9,7 +9,7 @@ from lightning_edu.checks import relative_error
 from lightning_edu.numpy_blockwise import blockwise_backward
 from lightning_edu.perf.la3_sweep import TILES
 from lightning_edu.perf.resources import SM120_SHARED_LIMIT, compiled_resources
-from lightning_edu.triton_kernels import log2_decay_tensor
+from lightning_edu.triton_kernels import kernel_config, log2_decay_tensor
 from lightning_edu.triton_kernels.la2_fast import la2_fast_forward
 from lightning_edu.triton_kernels.la3 import la3_backward
 
@@ -50,7 +50,8 @@ def test_every_tile_choice_is_correct_in_bf16(shape, tiles):
 def test_every_la3_kernel_fits_in_99_kib_of_shared_memory(d, dtype):
     q, k, v, do, s0, dsn = _case(1, 2, 700, d, d, dtype, seed=1)
     l2 = log2_decay_tensor(DECAYS[:2], "cuda")
-    records = compiled_resources(lambda: la3_backward(q, k, v, do, l2, s0, dsn, seg_len=256), fresh=True)
+    cfg = kernel_config(d, d, dtype)  # the backend's tiles: 32-row blocks for fp32 at d = 128
+    records = compiled_resources(lambda: la3_backward(q, k, v, do, l2, s0, dsn, seg_len=256, **cfg), fresh=True)
     kernels = {r["kernel"] for r in records}
     assert {"_segment_state_kernel", "_la2_fast_forward_kernel", "_la3_dkdv_kernel"} <= kernels, kernels
     for r in records:
