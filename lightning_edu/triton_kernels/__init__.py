@@ -40,7 +40,7 @@ from .la2_literal import la2_literal_backward, la2_literal_forward
 from .la3 import la3_backward
 
 __all__ = ["VARIANTS", "triton_attention", "la2_forward", "la2_backward", "kernel_config", "backward_kernel",
-           "backward_reads_saved_states", "log2_decay_tensor"]
+           "log2_decay_tensor"]
 
 
 def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None = None) -> dict:
@@ -84,14 +84,6 @@ def backward_kernel(d_k: int, d_v: int, dtype: torch.dtype):
     if dtype in (torch.float16, torch.bfloat16) and d_k == d_v <= 64:  # measured at d_k = d_v only
         return la3_backward
     return la2_fast_backward
-
-
-def backward_reads_saved_states(d_k: int, d_v: int, dtype: torch.dtype) -> bool:
-    """Whether the backend's backward starts its dQ pass from the segment states its forward saved. la2_fast's does
-    (at d = 128 that measured 0.36 ms against 0.52 ms with the pre-pass again, bf16, 16 heads, T = 32K, an H100);
-    la3's computes them again: at d = 64 the saved-state dQ pass measured slower there (0.47 ms against 0.31), and
-    the forward then need not write them. So the forward saves them only for la2_fast's backward."""
-    return backward_kernel(d_k, d_v, dtype) is la2_fast_backward
 
 
 _LOG2_DECAY: dict = {}  # (device, log2 values) -> the device tensor, built once

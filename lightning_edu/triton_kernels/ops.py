@@ -14,8 +14,8 @@ q, k: (batch, heads, n, d_k); v, do: (batch, heads, n, d_v); log2_decay: float32
 initial_state, d_final_state: (batch, heads, d_k, d_v) or None. o, dq, dk, dv come back in the dtypes of v, q,
 k, v; final_state and d_initial_state in float32. ``incoming`` is what the forward saves for the backward's dQ
 pass: every segment's incoming state, float32 (batch * heads, num_segments, d_k, d_v), or an empty float32
-tensor of shape (0,) when the sequence is one segment, when ``save_states`` is False, or when the backward
-that will run does not read them (an op returns tensors, never None). It is marked non-differentiable. :func:`~lightning_edu.triton_kernels.triton_attention` passes
+tensor of shape (0,) when the sequence is one segment or ``save_states`` is False (an op returns tensors, never
+None). It is marked non-differentiable. :func:`~lightning_edu.triton_kernels.triton_attention` passes
 ``save_states=False`` when no gradient can be asked for (grad mode off, or no input requiring one): inference
 then writes no segment states (at 32K tokens, d = 128, 16 heads: 17 states of 64 KB per head).
 
@@ -85,14 +85,6 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None) -> tuple[di
     return cfg, seg_len, num_seg
 
 
-def _keeps_states(q: Tensor, v: Tensor, save_states: bool) -> bool:
-    """Whether the forward op writes its segment states: asked to, and read by the backward that will run
-    (:func:`~lightning_edu.triton_kernels.backward_reads_saved_states`)."""
-    from . import backward_reads_saved_states
-
-    return save_states and backward_reads_saved_states(q.shape[-1], v.shape[-1], compute_dtype(q))
-
-
 def _contiguous(*xs):
     return tuple(None if x is None else x.contiguous() for x in xs)
 
@@ -104,10 +96,9 @@ def la2_forward(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_sta
     ``save_states``."""
     cfg, seg_len, num_seg = launch_plan(q, v, block_size)
     out_dtype = v.dtype
-    keep = _keeps_states(q, v, save_states)
     q, k, v = upcast_for_interpreter(*_contiguous(q, k, v))
     o, sn, *saved = la2_fast_forward(q, k, v, log2_decay.float().contiguous(), initial_state,
-                                     save_states=keep, seg_len=seg_len, **cfg)
+                                     save_states=save_states, seg_len=seg_len, **cfg)
     incoming = saved[0][1] if saved else None
     if incoming is None:  # one segment, or not asked: nothing saved, and an op returns a tensor
         incoming = sn.new_empty(0)
@@ -121,7 +112,7 @@ def _la2_forward_fake(q, k, v, log2_decay, initial_state=None, block_size=None, 
     d_v = v.shape[-1]
     o = v.new_empty(v.shape)
     sn = q.new_empty((batch, heads, d_k, d_v), dtype=torch.float32)
-    if _keeps_states(q, v, save_states) and num_seg > 1:
+    if save_states and num_seg > 1:
         incoming = q.new_empty((batch * heads, num_seg, d_k, d_v), dtype=torch.float32)
     else:
         incoming = q.new_empty((0,), dtype=torch.float32)
@@ -137,8 +128,7 @@ def la2_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tensor
     from . import backward_kernel
 
     cfg, seg_len, num_seg = launch_plan(q, v, block_size)
-    reads = num_seg > 1 and _keeps_states(q, v, True)
-    want = (q.shape[0] * q.shape[1], num_seg, q.shape[-1], v.shape[-1]) if reads else (0,)
+    want = (q.shape[0] * q.shape[1], num_seg, q.shape[-1], v.shape[-1]) if num_seg > 1 else (0,)
     if tuple(incoming.shape) != want:
         raise ValueError(f"incoming must be the forward's saved segment states, shape {want} for these inputs "
                          f"and block_size, got {tuple(incoming.shape)}")
@@ -146,7 +136,7 @@ def la2_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tensor
     q, k, v, do = upcast_for_interpreter(*_contiguous(q, k, v, do))
     backward = backward_kernel(q.shape[-1], v.shape[-1], q.dtype)
     dq, dk, dv, ds0 = backward(q, k, v, do, log2_decay.float().contiguous(), initial_state, d_final_state,
-                               saved=(seg_len, incoming if reads else None), **cfg)
+                               saved=(seg_len, incoming if num_seg > 1 else None), **cfg)
     dq, dk, dv = (g.to(dtype) for g, dtype in zip((dq, dk, dv), dtypes))
     return dq, dk, dv, ds0
 
