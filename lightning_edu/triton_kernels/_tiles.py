@@ -62,15 +62,27 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
+    "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
     "head_start", "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
     "clear_flag", "flag_nonfinite",
 ]
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints. The launchers' own: Triton's ``triton.cdiv`` and ``triton.next_power_of_2``
+    are compile-time functions whose host-side call costs about 5 us (Triton 3.7), a hundred times this, and a
+    forward+backward of the backend computes a few dozen of these numbers on the host."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), in plain Python for the reason given in :func:`cdiv`."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def pad_dim(d: int) -> int:
     """A head dim as a tile width: the next power of two, at least 16 (tl.dot's smallest tile)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_power_of_2(d))
 
 
 def dot_precision(x: torch.Tensor) -> str:
@@ -100,8 +112,8 @@ def _cuda_sm_count(index: int) -> int:
 def exact_pass_grid(programs: int, device) -> tuple[tuple[int], int]:
     """(grid, SCAN) of an exact pass over ``programs`` fast-pass programs: about one program per SM, each
     scanning SCAN flags (a power of two, at least 16) with one vector load and redoing the flagged ones."""
-    scan = max(16, triton.next_power_of_2(-(-programs // sm_count(device))))
-    return (triton.cdiv(programs, scan),), scan
+    scan = max(16, next_power_of_2(cdiv(programs, sm_count(device))))
+    return (cdiv(programs, scan),), scan
 
 
 def upcast_for_interpreter(*xs):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tiles import head_start, pad_dim, refuse_interpreted_bf16
+from ._tiles import cdiv, head_start, pad_dim, refuse_interpreted_bf16
 
 __all__ = ["decode_step"]
 
@@ -70,7 +70,7 @@ def decode_step(q, k, v, state, log2_decay, out_state=None, block_v: int | None 
     pad_k = pad_dim(d_k)
     # A slice of the state per program: at most 8K fp32 values (32 KB) in registers.
     block_v = block_v or max(16, min(pad_dim(d_v), 8192 // pad_k))
-    grid = (batch * heads, triton.cdiv(d_v, block_v))
+    grid = (batch * heads, cdiv(d_v, block_v))
     _decode_kernel[grid](q, k, v, state if state is not None else out_state, out_state, o, log2_decay, heads,
                          D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_v, HAS_STATE=state is not None,
                          num_warps=num_warps)

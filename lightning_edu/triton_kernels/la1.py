@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ..validation import device_decay, validate_attention_args, validate_block_size, validate_decay, validate_head_dims
 from ._tiles import (
-    apply_decay, clear_flag, decay_tile, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite,
+    apply_decay, cdiv, clear_flag, decay_tile, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite,
     flagged_range, pad_dim, poison, refuse_interpreted_bf16, stored_nonfinite,
 )
 
@@ -385,7 +385,7 @@ def la1_forward(q, k, v, decay=1.0, block_size: int | None = None):
     """
     args, decay_t, (q, k, v), meta = _prepare("la1_forward", q, k, v, decay, block_size)
     o = torch.empty((args.batch, args.heads, args.seq_len, args.d_v), dtype=q.dtype, device=q.device)
-    grid = (triton.cdiv(args.seq_len, meta["BLOCK_M"]), args.batch * args.heads)
+    grid = (cdiv(args.seq_len, meta["BLOCK_M"]), args.batch * args.heads)
     programs = grid[0] * grid[1]
     flags = torch.empty(programs, dtype=torch.int32, device=q.device)
     launch_args = (q, k, v, o, decay_t, flags, args.seq_len, args.heads, programs, *_strides(q), *_strides(k),
@@ -406,7 +406,7 @@ def la1_backward(q, k, v, do, decay=1.0, block_size: int | None = None):
     args, decay_t, (q, k, v, do), meta = _prepare("la1_backward", q, k, v, decay, block_size, do=do)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     heads_total = args.batch * args.heads
-    grid = (triton.cdiv(args.seq_len, meta["BLOCK_M"]), heads_total)  # BLOCK_M = BLOCK_N: one grid for both
+    grid = (cdiv(args.seq_len, meta["BLOCK_M"]), heads_total)  # BLOCK_M = BLOCK_N: one grid for both
     programs = grid[0] * grid[1]
     flags = torch.empty(programs, dtype=torch.int32, device=q.device)
     safe_grid, scan = exact_pass_grid(programs, q.device)

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from ._tiles import (
-    apply_decay, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite, flagged_range,
-    head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
+    apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
+    flagged_range, head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments", "dq_pass", "finish_backward"]
@@ -356,7 +356,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
         # whole (Q, K read once) and let segments supply the parallelism. (Tile sweep, chapter 07.)
         block_dv = 64 if batch * heads >= _sm_count(q.device) else 128
     block_dv = min(pad_dim(d_v), block_dv)
-    slices = triton.cdiv(d_v, block_dv)
+    slices = cdiv(d_v, block_dv)
     num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len)
     o = torch.empty_like(v)
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
@@ -484,7 +484,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     pad_k, pad_v = pad_dim(d_k), pad_dim(d_v)
     if num_seg > 1:
         block_dv_seg = min(pad_v, block_dv or 64)
-        _segment_state_kernel[(batch * heads, num_seg - 1, triton.cdiv(d_v, block_dv_seg))](
+        _segment_state_kernel[(batch * heads, num_seg - 1, cdiv(d_v, block_dv_seg))](
             q, do, seg, log2_decay, n, heads, seg_len_, D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv_seg,
             BLOCK=block, REVERSE=True, PRECISION=dot_precision(q), num_warps=num_warps, num_stages=num_stages,
         )

@@ -20,8 +20,8 @@ import triton.language as tl
 
 from ..validation import validate_head_dims
 from ._tiles import (
-    apply_decay, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite, flagged_range,
-    head_start, pad_dim, poison, refuse_interpreted_bf16,
+    apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
+    flagged_range, head_start, pad_dim, poison, refuse_interpreted_bf16,
 )
 
 __all__ = [
@@ -305,7 +305,7 @@ def la2_literal_forward(q, k, v, log2_decay, initial_state=None, block: int = 64
     o = torch.empty_like(v)
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     block_dv = min(pad_dim(d_v), 64)
-    grid = (batch * heads, triton.cdiv(d_v, block_dv))
+    grid = (batch * heads, cdiv(d_v, block_dv))
     s0 = initial_state.float().contiguous() if initial_state is not None else sn
     programs = grid[0] * grid[1]
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
@@ -336,7 +336,7 @@ def la2_literal_backward(q, k, v, do, log2_decay, initial_state=None, d_final_st
     ds0 = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     block_dk = min(pad_dim(d_k), 64)
     s0 = initial_state.float().contiguous() if initial_state is not None else ds0
-    grid = (batch * heads, triton.cdiv(d_k, block_dk))
+    grid = (batch * heads, cdiv(d_k, block_dk))
     programs = grid[0] * grid[1]
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)  # also serves dK/dV: batch*heads <= programs
     args = (k, v, do, dq, s0, flags, log2_decay, n, heads, programs)

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from ._tiles import (
-    apply_decay, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite, flagged_range,
-    head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
+    apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
+    flagged_range, head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 from .la2_fast import _incoming_state, _segment_state_kernel, choose_segments, dq_pass, finish_backward
 
@@ -217,7 +217,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     precision = dot_precision(q)
     if num_seg > 1:  # each later-processed segment's local state sum lambda^(end-1-p) q_p^T do_p
         block_dv = min(pad_v, 64)
-        _segment_state_kernel[(batch * heads, num_seg - 1, triton.cdiv(d_v, block_dv))](
+        _segment_state_kernel[(batch * heads, num_seg - 1, cdiv(d_v, block_dv))](
             q, do, seg, log2_decay, n, heads, seg_len, D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv,
             BLOCK=chunk, REVERSE=True, PRECISION=precision, num_warps=4, num_stages=2,
         )

@@ -46,11 +46,10 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 from torch import Tensor
 
 from ..torch_chunked import decay_gradient
-from ._tiles import interpreted, pad_dim, sm_count, upcast_for_interpreter
+from ._tiles import cdiv, interpreted, pad_dim, sm_count, upcast_for_interpreter
 from .la2_fast import choose_segments, la2_fast_forward
 
 __all__ = ["la2_forward", "la2_backward", "launch_plan", "compute_dtype"]
@@ -80,7 +79,7 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None) -> tuple[di
     block_dv = cfg["block_dv"]
     if block_dv is None:  # as la2_fast._forward_form: split d_v only when (batch, head) programs fill the chip
         block_dv = 64 if batch * heads >= sms else 128
-    slices = triton.cdiv(d_v, min(pad_dim(d_v), block_dv))
+    slices = cdiv(d_v, min(pad_dim(d_v), block_dv))
     num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sms)
     return cfg, seg_len, num_seg
 
