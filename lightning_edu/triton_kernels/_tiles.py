@@ -37,9 +37,9 @@ How the kernels are written (every kernel of this package, so that one reads lik
 
 * **Pointers** are capitals named after the tensor (``Q``, ``K``, ``V``, ``O``, ``DO``, ``DQ``, ``S0``, ``SN``,
   ``SEG``, ``FLAG``, ``LOG2_DECAY``). A program moves each of them to its own (batch, head) once, at the top
-  (:func:`head_start`, in 64 bits, so that no offset overflows 32 bits however large the batch); below that
-  line every offset is within one head: ``rows * D + offs_k`` for an (n, d) tensor, ``state_offs`` for a
-  (d_k, d_v) state.
+  (:func:`head_start`, in 64 bits, so that no head's start overflows 32 bits however large the batch); below
+  that line every offset is within one head, in 32 bits (n * d < 2**31: up to 16M tokens at d = 128):
+  ``rows * D + offs_k`` for an (n, d) tensor, ``state_offs`` for a (d_k, d_v) state.
 * **Offsets**: ``offs_r`` (rows of a block, 0 .. BLOCK-1), ``offs_k`` / ``offs_v`` (columns of d_k / d_v),
   ``rows`` / ``cols`` (positions in the sequence); masks ``k_ok``, ``v_ok``, ``row_ok``.
 * **Compile-time constants**, one meaning each: ``D_K``, ``D_V`` the head dims; ``PAD_K``, ``PAD_V`` a whole
@@ -136,7 +136,7 @@ def refuse_interpreted_bf16(who: str, *tensors) -> None:
 @triton.jit
 def head_start(bh, rows, width):
     """Offset of (batch*head) ``bh``'s first element in a contiguous (batch*heads, rows, width) tensor, in 64 bits:
-    ``bh * rows * width`` passes 2**31 (8 GiB of bf16) at batch*heads*rows*width elements, a training batch."""
+    ``bh * rows * width`` passes 2**31 when the tensor holds 2**31 elements (4 GiB of bf16), a training batch."""
     return tl.cast(bh, tl.int64) * rows * width  # bh may be a loop index: a Python int in the interpreter
 
 
