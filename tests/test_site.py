@@ -324,10 +324,20 @@ def test_search_finds_algorithm_2(server, offline_page):
     page = offline_page.page
     with _screenshot_on_failure(page, "search"):
         page.goto(server + "index.html", wait_until="load")
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
         page.locator("#mdbook-search-toggle").click()
-        page.locator("#mdbook-searchbar").fill("Algorithm 2")
+        bar = page.locator("#mdbook-searchbar")
         results = page.locator("#mdbook-searchresults li")
-        results.first.wait_for(state="visible")
+        for attempt in range(3):  # mdBook loads its index asynchronously: a query typed before that finds nothing
+            bar.fill("")
+            bar.press_sequentially("Algorithm 2")  # key by key, as a reader types (mdBook searches on key events)
+            try:
+                results.first.wait_for(state="visible", timeout=10_000)
+                break
+            except PlaywrightTimeout:
+                if attempt == 2:
+                    raise
         hrefs = [results.nth(i).locator("a").first.get_attribute("href") for i in range(results.count())]
         text = page.inner_text("#mdbook-searchresults")
         assert "algorithm 2" in text.lower(), text[:500]
