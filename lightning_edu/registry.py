@@ -261,3 +261,10 @@ register(Implementation(
     "triton.decode", "triton", "07-08", "one decoding step in one Triton kernel launch",
     f"{_TK}:decode_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256, checked_against="torch.step", backend=True,
     bench=None, op="step"))
+
+# The backends' modules are imported now, once: ``lightning_attention`` looks its backend up on every call, and
+# a call that torch.compile traces cannot import a module (Dynamo refuses importlib), so a model compiled
+# before its first eager call would otherwise break its graph there.
+for _impl in _BACKENDS.values():
+    _impl.forward, _impl.backward  # noqa: B018  (resolving a path imports its module)
+del _impl

@@ -136,7 +136,10 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay", *,
       the host wait for the GPU on every call. :func:`device_decay` turns a lambda outside (0, 1] into NaN
       on the device, so that head's outputs come out NaN rather than silently wrong;
     * one that requires grad, where ``allow_grad`` says the caller computes dL/dlambda (its values are
-      checked when it lives on the CPU).
+      checked when it lives on the CPU);
+    * any tensor while :func:`torch.compile` traces the call: its values are then values of the graph, not
+      constants the tracer could branch on, so they are checked on the device as a GPU tensor's are (a model's
+      decay buffer compiles without a graph break, wherever the model lives).
 
     A tensor that requires grad anywhere else is refused (TypeError): detaching it would drop its gradient
     without a word.
@@ -170,9 +173,10 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay", *,
                 f"lightning_attention with backend 'torch' or 'triton', and lightning_attention_step with backend "
                 f"'torch', do); pass {name}.detach() (or a float) to treat lambda as a constant"
             )
-        if keep_tensor and (decay.device.type != "cpu" or wants_grad):
+        compiling = _torch().compiler.is_compiling()  # then a CPU tensor's values are graph values, not constants
+        if keep_tensor and (decay.device.type != "cpu" or wants_grad or compiling):
             tensor = decay
-        if tensor is not None and (decay.device.type != "cpu" or _torch().compiler.is_compiling()):
+        if tensor is not None and (decay.device.type != "cpu" or compiling):
             if decay.ndim > 1:
                 raise ValueError(f"{name} must be a scalar or 1-D with one value per head, got shape {tuple(decay.shape)}")
             if decay.ndim == 1 and heads is not None and decay.shape[0] != heads:

@@ -1,4 +1,5 @@
 """Measuring: the analytic cost model (:mod:`.costs`), CPU timing and memory (:mod:`.measure`), the torch
 sweep of chapter 06 (:mod:`.torch_sweep`), the GPU benchmark beside the production libraries
-(:mod:`.bench`), the paper's Figure 3 on a GPU (:mod:`.figure3`) and the record of where each measurement was taken (:mod:`.environment`).
+(:mod:`.bench`), the paper's Figure 3 on a GPU (:mod:`.figure3`), the host's share of a short call
+(:mod:`.host`), the first call's compile time (:mod:`.first_call`) and the record of where each measurement was taken (:mod:`.environment`).
 """

@@ -31,6 +31,7 @@ backward at D = 128; at D = 64, where each call is short, 12-62 % slower, most o
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -87,6 +88,11 @@ def backward_kernel(d_k: int, d_v: int, dtype: torch.dtype):
 
 
 _LOG2_DECAY: dict = {}  # (device, log2 values) -> the device tensor, built once
+_LOG2_OF_TENSOR: dict = {}  # (id, data_ptr, version, device) of a decay tensor -> (weakref to it, its log2)
+
+
+def _log2_of_tensor(decay: torch.Tensor, device) -> torch.Tensor:
+    return torch.log2(device_decay(decay, device, torch.float64)).to(torch.float32)
 
 
 def log2_decay_tensor(decay, device) -> torch.Tensor:
@@ -98,6 +104,8 @@ def log2_decay_tensor(decay, device) -> torch.Tensor:
     load it). From a torch tensor (as validated: on a GPU, or requiring grad): computed on its device, in
     float64 and rounded once (a float32 lambda near 1 would lose its last digits in a float32 log), keeping
     the autograd graph; a lambda outside (0, 1] gives NaN (:func:`lightning_edu.validation.device_decay`).
+    A tensor that requires no grad is computed once per version: the same tensor, unchanged since (same
+    storage, no in-place write), gets the same result back, computed on the device without a host read.
 
     Under :func:`torch.compile` the host lambdas are values of the traced graph (dynamo turns numpy arrays into
     tensors), not Python floats: there they are converted with torch ops, uncached, which the compiler keeps
@@ -106,7 +114,22 @@ def log2_decay_tensor(decay, device) -> torch.Tensor:
     if torch.compiler.is_compiling() and not isinstance(decay, torch.Tensor):
         return torch.log2(torch.as_tensor(decay, dtype=torch.float64)).to(device=device, dtype=torch.float32)
     if torch.is_tensor(decay):
-        return torch.log2(device_decay(decay, device, torch.float64)).to(torch.float32)
+        if (torch.compiler.is_compiling() or type(decay) is not torch.Tensor or decay.requires_grad
+                or decay.is_inference() or (decay.is_cuda and torch.cuda.is_current_stream_capturing())):
+            # traced, a subclass, part of the autograd graph or of a CUDA graph being captured, or an inference
+            # tensor (which has no version counter): computed afresh
+            return _log2_of_tensor(decay, device)
+        # A decay buffer (a model's fixed lambdas) is passed again on every call: its log2 is computed once per
+        # version of it (an in-place change bumps ``_version``), which saves a handful of small launches per call.
+        key = (id(decay), decay.data_ptr(), decay._version, torch.device(device))
+        hit = _LOG2_OF_TENSOR.get(key)
+        if hit is not None and hit[0]() is decay:
+            return hit[1]
+        if len(_LOG2_OF_TENSOR) >= 256:
+            _LOG2_OF_TENSOR.clear()
+        out = _log2_of_tensor(decay, device)
+        _LOG2_OF_TENSOR[key] = (weakref.ref(decay), out)
+        return out
     values = tuple(math.log2(float(x)) for x in decay)
     key = (torch.device(device), values)
     cached = _LOG2_DECAY.get(key)
@@ -121,15 +144,21 @@ def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
     """(o, final_state) by the Triton backend; ``decay`` is a sequence of per-head lambdas (or a tensor).
 
     One call of the custom op ``lightning_edu::la2_forward`` (:mod:`.ops`), differentiable through its
-    registered backward, and a single node to :func:`torch.compile`. o has v's dtype, final_state is float32.
+    registered backward, and a single node to :func:`torch.compile`; called eagerly on plain tensors, the same
+    forward and backward run as an autograd Function (:class:`.ops.EagerLA2`), which skips the dispatcher. o has v's dtype, final_state is float32.
     bfloat16 inputs off CUDA (the CPU interpreter) are computed in float32 and o is returned as bfloat16;
     gradients flow back to the bfloat16 leaves as bfloat16. The forward keeps its segment states for the backward
     only when a gradient can be asked for (grad mode on and an input requiring one)."""
     log2_decay = log2_decay_tensor(decay, q.device)
     inputs = (q, k, v, log2_decay, initial_state)
     save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    o, sn, _ = la2_forward(q, k, v, log2_decay, initial_state, block_size, save)
+    if torch.compiler.is_compiling() or q.is_meta or not all(x is None or type(x) in _PLAIN for x in inputs):
+        o, sn, _ = la2_forward(q, k, v, log2_decay, initial_state, block_size, save)  # the custom op
+    else:  # eager, plain tensors: the same code without the dispatcher's cost (:class:`.ops.EagerLA2`)
+        o, sn, _ = EagerLA2.apply(q, k, v, log2_decay, initial_state, block_size, save)
     return o, sn
 
 
-from .ops import la2_backward, la2_forward  # noqa: E402  (after kernel_config and backward_kernel, which it uses)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+from .ops import EagerLA2, la2_backward, la2_forward  # noqa: E402  (after kernel_config and backward_kernel, which it uses)

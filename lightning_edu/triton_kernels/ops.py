@@ -52,7 +52,8 @@ from ..torch_chunked import decay_gradient
 from ._tiles import cdiv, interpreted, pad_dim, sm_count, upcast_for_interpreter
 from .la2_fast import choose_segments, la2_fast_forward
 
-__all__ = ["la2_forward", "la2_backward", "launch_plan", "compute_dtype"]
+__all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
+           "compute_dtype"]
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -88,11 +89,10 @@ def _contiguous(*xs):
     return tuple(None if x is None else x.contiguous() for x in xs)
 
 
-@torch.library.custom_op("lightning_edu::la2_forward", mutates_args=())
-def la2_forward(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_state: Tensor | None = None,
-                block_size: int | None = None, save_states: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """(o in v's dtype, final_state fp32, incoming): la2_fast's forward, its segment states saved when
-    ``save_states``."""
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_state: Tensor | None = None,
+                 block_size: int | None = None, save_states: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """What ``lightning_edu::la2_forward`` runs (and :class:`EagerLA2`'s forward): (o in v's dtype, final_state
+    fp32, incoming), la2_fast's forward, its segment states saved when ``save_states``."""
     cfg, seg_len, num_seg = launch_plan(q, v, block_size)
     out_dtype = v.dtype
     q, k, v = upcast_for_interpreter(*_contiguous(q, k, v))
@@ -102,6 +102,14 @@ def la2_forward(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_sta
     if incoming is None:  # one segment, or not asked: nothing saved, and an op returns a tensor
         incoming = sn.new_empty(0)
     return o.to(out_dtype), sn, incoming
+
+
+@torch.library.custom_op("lightning_edu::la2_forward", mutates_args=())
+def la2_forward(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_state: Tensor | None = None,
+                block_size: int | None = None, save_states: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """(o in v's dtype, final_state fp32, incoming): la2_fast's forward, its segment states saved when
+    ``save_states``."""
+    return forward_impl(q, k, v, log2_decay, initial_state, block_size, save_states)
 
 
 @la2_forward.register_fake
@@ -118,11 +126,11 @@ def _la2_forward_fake(q, k, v, log2_decay, initial_state=None, block_size=None, 
     return o, sn, incoming
 
 
-@torch.library.custom_op("lightning_edu::la2_backward", mutates_args=())
-def la2_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tensor, initial_state: Tensor | None,
-                 d_final_state: Tensor | None, incoming: Tensor,
-                 block_size: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv in q's, k's, v's dtypes, d_initial_state fp32) by the backend's backward kernel
+def backward_impl(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tensor, initial_state: Tensor | None,
+                  d_final_state: Tensor | None, incoming: Tensor,
+                  block_size: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What ``lightning_edu::la2_backward`` runs (and :class:`EagerLA2`'s backward): (dq, dk, dv in q's, k's,
+    v's dtypes, d_initial_state fp32) by the backend's backward kernel
     (:func:`~lightning_edu.triton_kernels.backward_kernel`), its dQ pass started from ``incoming``."""
     from . import backward_kernel
 
@@ -138,6 +146,15 @@ def la2_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tensor
                                saved=(seg_len, incoming if num_seg > 1 else None), **cfg)
     dq, dk, dv = (g.to(dtype) for g, dtype in zip((dq, dk, dv), dtypes))
     return dq, dk, dv, ds0
+
+
+@torch.library.custom_op("lightning_edu::la2_backward", mutates_args=())
+def la2_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tensor, initial_state: Tensor | None,
+                 d_final_state: Tensor | None, incoming: Tensor,
+                 block_size: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv in q's, k's, v's dtypes, d_initial_state fp32) by the backend's backward kernel, its dQ pass
+    started from ``incoming``."""
+    return backward_impl(q, k, v, do, log2_decay, initial_state, d_final_state, incoming, block_size)
 
 
 @la2_backward.register_fake
@@ -156,7 +173,10 @@ def _setup_context(ctx, inputs, output):
     ctx.block_size = block_size
 
 
-def _backward(ctx, do, d_sn, _d_incoming):
+def _backward(ctx, do, d_sn, _d_incoming, backward=None):
+    """The gradients of la2_forward's inputs: ``backward`` (the op ``la2_backward`` unless given) for q, k, v and
+    the initial state, and for a learnable decay the tangent pass in torch ops."""
+    backward = backward or la2_backward
     q, k, v, log2_decay, initial_state, incoming = ctx.saved_tensors
     needs = ctx.needs_input_grad  # (q, k, v, log2_decay, initial_state, block_size, save_states)
     if do is None and d_sn is None:
@@ -164,7 +184,7 @@ def _backward(ctx, do, d_sn, _d_incoming):
     if do is None:
         do = torch.zeros_like(v)
     log2_decay = log2_decay.detach()
-    dq, dk, dv, ds0 = la2_backward(q, k, v, do, log2_decay, initial_state, d_sn, incoming, ctx.block_size)
+    dq, dk, dv, ds0 = backward(q, k, v, do, log2_decay, initial_state, d_sn, incoming, ctx.block_size)
     d_log2 = None
     if needs[3]:  # a learnable decay: the tangent pass in torch ops; d/d(log2 lambda) = ln 2 d/d(ln lambda)
         qc, kc, vc, doc = upcast_for_interpreter(q, k, v, do)
@@ -175,3 +195,27 @@ def _backward(ctx, do, d_sn, _d_incoming):
 
 
 la2_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerLA2(torch.autograd.Function):
+    """``la2_forward`` with its registered backward, minus the dispatcher: the same implementations
+    (:func:`forward_impl`, :func:`backward_impl`) and the same context code, called as an autograd Function.
+
+    Why a second door to the same kernels. Through the dispatcher each custom-op call pays for its schema
+    handling, the autograd wrapper that ``register_autograd`` installs, and the alias checks on its outputs;
+    measured on an H100 machine's host (torch 2.11) that came to about 0.3 ms per forward + backward, as much
+    as the kernels of a short sequence take on the GPU. :func:`~lightning_edu.triton_kernels.triton_attention`
+    takes this door for plain tensors in eager mode, and the op under :func:`torch.compile` (which cannot trace
+    a Triton launch inside a Function) and for tensor subclasses (fake, functional and meta tensors know the op,
+    not this class).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, log2_decay, initial_state, block_size, save_states):
+        output = forward_impl(q, k, v, log2_decay, initial_state, block_size, save_states)
+        _setup_context(ctx, (q, k, v, log2_decay, initial_state, block_size, save_states), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, do, d_sn, d_incoming):
+        return _backward(ctx, do, d_sn, d_incoming, backward=backward_impl)

@@ -1,0 +1,115 @@
+"""What a short call costs the host: the triton backend's forward + backward, one layer of the call at a time.
+(Chapter 08.)
+
+    python -m lightning_edu.perf.host OUT.json [--d 64] [--T 256]
+
+On a short sequence the kernels finish before the host has launched the next one, so the host's time per call
+is the call's time. Each row times the same forward + backward (bf16, 1 x 4 heads x T tokens, per-head decay
+as a CUDA tensor, gradients set to None after each call, as a training step does) through one more layer
+of the call than the row before:
+
+1. ``kernels``: the launchers alone (:func:`~lightning_edu.triton_kernels.ops.forward_impl`, then
+   :func:`~lightning_edu.triton_kernels.ops.backward_impl` on the saved states), no autograd;
+2. ``autograd Function``: the same, as :class:`~lightning_edu.triton_kernels.ops.EagerLA2` under autograd;
+3. ``custom op``: the same, through the dispatcher, as the op ``lightning_edu::la2_forward`` and its registered
+   backward (what :func:`torch.compile` calls);
+4. ``lightning_attention``: the public function (validation, the decay's log2, the eager door of row 2).
+
+Host microseconds per call, the median and the minimum over interleaved rounds (each round runs every row
+``calls`` times between two synchronisations, so drifts of the machine hit every row alike); and, for row 1,
+the GPU time of its kernels (``triton.testing.do_bench``). One JSON record with the machine, versions, commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+__all__ = ["ROWS", "measure", "main"]
+
+ROWS = ("kernels", "autograd Function", "custom op", "lightning_attention")
+
+
+def _calls(d: int, T: int, heads: int = 4):
+    import torch
+
+    from .. import lightning_attention
+    from ..triton_kernels import log2_decay_tensor
+    from ..triton_kernels.ops import EagerLA2, backward_impl, forward_impl, la2_forward
+    from .bench import head_decays
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(1, heads, T, d, device="cuda", generator=gen).bfloat16() / 4 for _ in range(4))
+    decay = torch.tensor(head_decays(heads), dtype=torch.float32, device="cuda")
+    l2 = log2_decay_tensor(decay, "cuda")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def step(o):
+        o.backward(do)
+        for x in leaves:
+            x.grad = None
+
+    def kernels():
+        _, _, incoming = forward_impl(q, k, v, l2, None, None, True)
+        backward_impl(q, k, v, do, l2, None, None, incoming)
+
+    return {
+        "kernels": kernels,
+        "autograd Function": lambda: step(EagerLA2.apply(*leaves, l2, None, None, True)[0]),
+        "custom op": lambda: step(la2_forward(*leaves, l2, None, None, True)[0]),
+        "lightning_attention": lambda: step(lightning_attention(*leaves, decay, backend="triton")),
+    }
+
+
+def measure(d: int = 64, T: int = 256, rounds: int = 15, calls: int = 20) -> list[dict]:
+    """Rows of {"layer", "host_us_median", "host_us_min"} (and "gpu_us" for the kernels row), on CUDA."""
+    import torch
+    import triton.testing
+
+    fns = _calls(d, T)
+    for fn in fns.values():
+        for _ in range(5):  # compiled, allocator warm
+            fn()
+    torch.cuda.synchronize()
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+    rows = [{"layer": name, "host_us_median": round(statistics.median(xs), 1), "host_us_min": round(min(xs), 1)}
+            for name, xs in samples.items()]
+    rows[0]["gpu_us"] = round(triton.testing.do_bench(fns["kernels"], warmup=25, rep=200) * 1e3, 1)
+    return rows
+
+
+def main(argv=None) -> int:
+    from .environment import environment_record
+
+    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.host", description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--d", type=int, default=64)
+    parser.add_argument("--T", type=int, default=256)
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 2
+    command = "python -m lightning_edu.perf.host " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    record = {**environment_record(command), "shape": {"batch": 1, "heads": 4, "T": args.T, "d": args.d},
+              "dtype": "bfloat16", "results": measure(args.d, args.T)}
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1)
+    for row in record["results"]:
+        print(row)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
