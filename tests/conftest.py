@@ -35,3 +35,12 @@ def _torch_threads(n: int):
 def torch_threads():
     """``with torch_threads(n):`` pins torch's threads to n for the block (a test file's autouse fixture uses it)."""
     return _torch_threads
+
+
+@pytest.fixture(autouse=True)
+def _release_cached_gpu_memory():
+    """Under pytest-xdist several workers share one GPU, and each one's caching allocator keeps what its tests
+    freed: hand it back after every test, so that a worker's big case finds the memory the others let go."""
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER") and _has_cuda and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -1,89 +1,144 @@
-"""Lightning Attention-2 Triton kernels under the CPU interpreter (fp32 only: its bf16 is wrong).
+"""Lightning Attention-2 Triton kernels, every variant, forward and backward, against float64.
 
-Every variant, forward and backward, against the float64 numpy rung (Algorithms 1-2), on odd shapes.
-Tolerance 1e-5 relative: fp32 products with IEEE (not tf32) dots land near 1e-7.
+Each case runs on one device (tests/kernel_cases.py): "cpu" in Triton's CPU interpreter, fp32 only (its bf16 is
+wrong), small odd shapes with 16-row blocks and explicit segment lengths; "cuda" on a GPU in fp32, fp16 and bf16,
+odd shapes up to n = 20000 and d = 256 with the kernels' own tiles.
+
+The reference is the numpy Algorithm 1-2 rung in float64, fed the *same rounded* inputs, so the bounds measure the
+kernels alone. Bounds (relative Frobenius error, per dtype), BOUNDS below:
+
+* fp32: 1e-5. IEEE fp32 (not tf32) dots; in the interpreter the error lands near 1e-7.
+* fp16: 5e-3 and bf16: 2e-2 (cuda only). 16-bit dot operands and a 16-bit copy of the fp32 state in each
+  inter-block product; outputs rounded to the input dtype.
 """
 
 import numpy as np
 import pytest
 import torch
+from kernel_cases import cases, on, synchronize
 
 import lightning_edu as le
 from lightning_edu.checks import relative_error
 from lightning_edu.numpy_blockwise import blockwise_backward, blockwise_forward
 from lightning_edu.triton_kernels import VARIANTS, log2_decay_tensor
 
-TOL = 1e-5
-
-SHAPES = [  # batch, heads, n, d_k, d_v, decay per head, segment length (None: automatic)
-    (1, 2, 1, 16, 16, [1.0, 0.5], None),
-    (1, 2, 37, 16, 32, [0.9, 0.05], None),
-    (2, 1, 100, 32, 16, [1.0], 32),
-    (1, 2, 130, 16, 48, [0.999, 1e-3], 48),
-]
+BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+DECAYS = np.array([1.0, 0.99, 0.05])  # the cuda cases' decays, the first `heads` of them
 
 
-def _inputs(batch, heads, n, d_k, d_v, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(batch, heads, n, d_k, generator=g) for _ in range(2))
-    v, do = (torch.randn(batch, heads, n, d_v, generator=g) for _ in range(2))
-    s0, dsn = (torch.randn(batch, heads, d_k, d_v, generator=g) for _ in range(2))
+def _inputs(shape, device, dtype=torch.float32, seed=0):
+    """q, k, v, do (halved standard normals, rounded to dtype) and s0, dsn (fp32) from a seeded generator."""
+    batch, heads, n, d_k, d_v = shape
+    g = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda *s: (torch.randn(*s, device=device, generator=g) / 2).to(dtype)  # noqa: E731
+    q, k, v, do = mk(batch, heads, n, d_k), mk(batch, heads, n, d_k), mk(batch, heads, n, d_v), mk(batch, heads, n, d_v)
+    s0, dsn = (torch.randn(batch, heads, d_k, d_v, device=device, generator=g) for _ in range(2))
     return q, k, v, do, s0, dsn
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS) + ["la2_fast_fused_bwd"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"n{s[2]}-dk{s[3]}-dv{s[4]}")
-def test_variant_matches_float64_blockwise(variant, shape):
-    batch, heads, n, d_k, d_v, decay, seg_len = shape
-    q, k, v, do, s0, dsn = _inputs(batch, heads, n, d_k, d_v)
-    lam = np.array(decay)
+def _np(x):
+    return x.detach().double().cpu().numpy()
+
+
+def _shape_id(shape):
+    return "x".join(map(str, shape))
+
+
+# cpu: (batch, heads, n, d_k, d_v), decay per head, segment length (None: automatic); 16-row blocks.
+CPU_SHAPES = [
+    ((1, 2, 1, 16, 16), [1.0, 0.5], None),
+    ((1, 2, 37, 16, 32), [0.9, 0.05], None),
+    ((2, 1, 100, 32, 16), [1.0], 32),
+    ((1, 2, 130, 16, 48), [0.999, 1e-3], 48),
+]
+GPU_SHAPES = [  # batch, heads, n, d_k, d_v; decays DECAYS[:heads]; 64-row blocks, 32 above d = 128
+    (2, 3, 1, 16, 16),
+    (1, 3, 77, 32, 64),
+    (2, 2, 1000, 64, 64),
+    (1, 3, 333, 128, 128),
+    (1, 2, 300, 128, 64),
+    (1, 2, 129, 256, 256),
+    (1, 2, 4099, 128, 128),
+]
+
+
+@cases("variant,shape,decays,block,seg_len,dtype", {
+    "cpu": [(variant, shape, decays, 16, seg_len, torch.float32)
+            for variant in sorted(VARIANTS) + ["la2_fast_fused_bwd"] for shape, decays, seg_len in CPU_SHAPES],
+    "cuda": [(variant, shape, list(DECAYS[:shape[1]]), 32 if max(shape[3:]) > 128 else 64, None, dtype)
+             for variant in sorted(VARIANTS) for shape in GPU_SHAPES for dtype in BOUNDS],
+})
+def test_variant_forward_backward(device, variant, shape, decays, block, seg_len, dtype):
+    q, k, v, do, s0, dsn = _inputs(shape, device, dtype)
+    lam = np.array(decays)
     forward, backward = VARIANTS[variant.replace("_fused_bwd", "")]
+    l2 = log2_decay_tensor(lam, device)
+    if variant == "la2_literal" and max(shape[3:]) > 128:
+        with pytest.raises(ValueError, match="la2_literal supports d_k, d_v <= 128"):
+            forward(q, k, v, l2, s0)
+        return
+    if variant == "la3" and max(shape[3:]) > 128:
+        with pytest.raises(ValueError, match="la3 supports d_k, d_v <= 128"):
+            backward(q, k, v, do, l2, s0, dsn)
+        return
     fwd_extra = {"seg_len": seg_len} if variant.startswith("la2_fast") else {}
     bwd_extra = dict(fwd_extra, fused_dkdv=True) if variant == "la2_fast_fused_bwd" else fwd_extra
-    l2 = log2_decay_tensor(lam, "cpu")
-    o, sn = forward(q, k, v, l2, s0, block=16, **fwd_extra)
-    grads = backward(q, k, v, do, l2, s0, dsn, block=16, **bwd_extra)
-    ro, rs = blockwise_forward(q.numpy(), k.numpy(), v.numpy(), lam, 16, s0.numpy())
-    ref = blockwise_backward(q.numpy(), k.numpy(), v.numpy(), do.numpy(), lam, 16, s0.numpy(), dsn.numpy())
-    assert relative_error(o, ro) < TOL
-    assert relative_error(sn, rs) < TOL
+    o, sn = forward(q, k, v, l2, s0, block=block, **fwd_extra)
+    grads = backward(q, k, v, do, l2, s0, dsn, block=block, **bwd_extra)
+    synchronize(device)
+    ro, rs = blockwise_forward(_np(q), _np(k), _np(v), lam, 64, _np(s0))
+    ref = blockwise_backward(_np(q), _np(k), _np(v), _np(do), lam, 64, _np(s0), _np(dsn))
+    bound = BOUNDS[dtype]
+    assert o.dtype == dtype and sn.dtype == torch.float32
+    assert relative_error(o, ro) < bound
+    assert relative_error(sn, rs) < bound
     for name, got, want in zip(("dq", "dk", "dv", "d_state"), grads, ref):
-        assert relative_error(got, want) < TOL, name
+        assert got.dtype == (torch.float32 if name == "d_state" else dtype)
+        assert relative_error(got, want) < bound, name
 
 
-def test_backend_autograd_matches_numpy_with_state_and_block_size():
-    q, k, v, do, s0, dsn = _inputs(1, 2, 45, 16, 32, seed=1)
+@cases("shape,decays,backend,block_size,dtype", {
+    "cpu": [((1, 2, 45, 16, 32), [0.95, 0.3], "triton", 16, torch.float32)],
+    "cuda": [((2, 3, 517, 64, 32), list(DECAYS), "auto", None, dtype) for dtype in BOUNDS],  # auto picks triton
+})
+def test_backend_differentiates_with_state(device, shape, decays, backend, block_size, dtype):
+    q, k, v, do, s0, dsn = _inputs(shape, device, dtype, seed=1)
+    lam = np.array(decays)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]
-    o, sn = le.lightning_attention(*leaves[:3], [0.95, 0.3], backend="triton", block_size=16,
+    o, sn = le.lightning_attention(*leaves[:3], lam, backend=backend, block_size=block_size,
                                    initial_state=leaves[3], return_state=True)
-    assert o.dtype == torch.float32 and sn.dtype == torch.float32
-    ((o * do).sum() + (sn * dsn).sum()).backward()
-    lam = np.array([0.95, 0.3])
-    ref = blockwise_backward(q.numpy(), k.numpy(), v.numpy(), do.numpy(), lam, 16, s0.numpy(), dsn.numpy())
+    assert o.dtype == dtype and sn.dtype == torch.float32
+    ((o.float() * do.float()).sum() + (sn * dsn).sum()).backward()
+    ro, rs = blockwise_forward(_np(q), _np(k), _np(v), lam, 64, _np(s0))
+    ref = blockwise_backward(_np(q), _np(k), _np(v), _np(do), lam, 64, _np(s0), _np(dsn))
+    bound = BOUNDS[dtype]
+    assert relative_error(o, ro) < bound and relative_error(sn, rs) < bound
     for leaf, want in zip(leaves, ref):
-        assert relative_error(leaf.grad, want) < TOL
+        assert relative_error(leaf.grad, want) < bound
 
 
-def test_backend_unused_final_state_and_backward_entry_point():
-    q, k, v, do, _, _ = _inputs(1, 1, 33, 16, 16, seed=2)
+@on("cpu")
+def test_backend_unused_final_state_and_backward_entry_point(device):
+    q, k, v, do, _, _ = _inputs((1, 1, 33, 16, 16), device, seed=2)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     o = le.lightning_attention(*leaves, 0.7, backend="triton", block_size=16)
     (o * do).sum().backward()
     dq, dk, dv = le.lightning_attention_backward(q, k, v, do, 0.7, backend="triton", block_size=16)
-    ref = le.lightning_attention_backward(q.numpy(), k.numpy(), v.numpy(), do.numpy(), 0.7, backend="numpy")
+    ref = le.lightning_attention_backward(_np(q), _np(k), _np(v), _np(do), 0.7, backend="numpy")
     for leaf, mine, want in zip(leaves, (dq, dk, dv), ref):
-        assert relative_error(leaf.grad, want) < TOL
-        assert relative_error(mine, want) < TOL
+        assert relative_error(leaf.grad, want) < BOUNDS[torch.float32]
+        assert relative_error(mine, want) < BOUNDS[torch.float32]
 
 
-def test_sequence_length_is_not_a_compile_time_constant():
+@on("cpu")
+def test_sequence_length_is_not_a_compile_time_constant(device):
     from lightning_edu.triton_kernels.la2_fast import _la2_fast_forward_kernel
 
-    q, k, v, *_ = _inputs(1, 1, 70, 16, 16, seed=3)
+    q, k, v, *_ = _inputs((1, 1, 70, 16, 16), device, seed=3)
     for n in (70, 41, 23):
         out = le.lightning_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], 0.9, backend="triton", block_size=16)
-        want = le.lightning_attention(*(x[:, :, :n].double().numpy() for x in (q, k, v)), 0.9)
-        assert relative_error(out, want) < TOL
+        want = le.lightning_attention(*(_np(x[:, :, :n]) for x in (q, k, v)), 0.9)
+        assert relative_error(out, want) < BOUNDS[torch.float32]
     import inspect
 
     params = inspect.signature(_la2_fast_forward_kernel.fn).parameters
@@ -91,9 +146,10 @@ def test_sequence_length_is_not_a_compile_time_constant():
     assert "constexpr" in str(params["BLOCK"].annotation)  # while tile sizes are compile-time
 
 
+@on()
 @pytest.mark.parametrize("bad", [8, 24, 100])
-def test_triton_block_size_must_be_a_power_of_two_tile(bad):
-    q, k, v, *_ = _inputs(1, 1, 8, 16, 16)
+def test_triton_block_size_must_be_a_power_of_two_tile(device, bad):
+    q, k, v, *_ = _inputs((1, 1, 8, 16, 16), device)
     with pytest.raises(ValueError, match="block_size for backend='triton' must be a power of two >= 16"):
         le.lightning_attention(q, k, v, backend="triton", block_size=bad)
 
@@ -101,7 +157,7 @@ def test_triton_block_size_must_be_a_power_of_two_tile(bad):
 def test_literal_refuses_heads_it_cannot_hold_on_chip():
     from lightning_edu.triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
 
-    q, k, v, do, _, _ = _inputs(1, 1, 4, 256, 16)
+    q, k, v, do, _, _ = _inputs((1, 1, 4, 256, 16), "cpu")
     l2 = log2_decay_tensor([0.9], "cpu")
     with pytest.raises(ValueError, match=r"la2_literal supports d_k, d_v <= 128 .* got d_k=256, d_v=16"):
         la2_literal_forward(q, k, v, l2)
@@ -109,29 +165,49 @@ def test_literal_refuses_heads_it_cannot_hold_on_chip():
         la2_literal_backward(q, k, v, do, l2)
 
 
-@pytest.mark.parametrize("seg_len", [None, 32, 48])
-def test_backward_reusing_the_forwards_segment_states(seg_len):
+@cases("shape,decays,block,seg_len,dtype", {
+    "cpu": [((2, 2, 100, 16, 32), [0.97, 0.2], 16, seg_len, torch.float32) for seg_len in (None, 32, 48)],
+    "cuda": [(shape, list(DECAYS[:shape[1]]), None, None, dtype)  # la2_fast_forward's own block and segments
+             for shape in [(1, 2, 4099, 128, 128), (2, 3, 1000, 64, 32), (1, 2, 20000, 64, 64)] for dtype in BOUNDS],
+})
+def test_backward_reusing_the_forwards_segment_states(device, shape, decays, block, seg_len, dtype):
     from lightning_edu.triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
 
-    q, k, v, do, s0, dsn = _inputs(2, 2, 100, 16, 32, seed=4)
-    lam = np.array([0.97, 0.2])
-    l2 = log2_decay_tensor(lam, "cpu")
-    o, sn, saved = la2_fast_forward(q, k, v, l2, s0, block=16, seg_len=seg_len, save_states=True)
-    assert saved[1].shape[:2] == (4, -(-100 // saved[0])) and saved[1].shape[1] > 1
-    grads = la2_fast_backward(q, k, v, do, l2, s0, dsn, block=16, seg_len=seg_len, saved=saved)
-    ref = blockwise_backward(q.numpy(), k.numpy(), v.numpy(), do.numpy(), lam, 16, s0.numpy(), dsn.numpy())
-    assert relative_error(o, blockwise_forward(q.numpy(), k.numpy(), v.numpy(), lam, 16, s0.numpy())[0]) < TOL
+    batch, heads, n = shape[:3]
+    q, k, v, do, s0, dsn = _inputs(shape, device, dtype, seed=3)
+    lam = np.array(decays)
+    l2 = log2_decay_tensor(lam, device)
+    tiles = {} if block is None else {"block": block}
+    o, sn, saved = la2_fast_forward(q, k, v, l2, s0, seg_len=seg_len, save_states=True, **tiles)
+    # Long enough to be cut into segments (in the interpreter; on a 132-SM GPU): one incoming state per segment.
+    assert saved[1].shape[:2] == (batch * heads, -(-n // saved[0])) and saved[1].shape[1] > 1
+    grads = la2_fast_backward(q, k, v, do, l2, s0, dsn, seg_len=seg_len, saved=saved, **tiles)
+    synchronize(device)
+    ref = blockwise_backward(_np(q), _np(k), _np(v), _np(do), lam, 64, _np(s0), _np(dsn))
+    bound = BOUNDS[dtype]
+    assert relative_error(o, blockwise_forward(_np(q), _np(k), _np(v), lam, 64, _np(s0))[0]) < bound
     for name, got, want in zip(("dq", "dk", "dv", "d_state"), grads, ref):
-        assert relative_error(got, want) < TOL, name
+        assert relative_error(got, want) < bound, name
 
 
-def test_one_segment_saves_nothing():
+@on("cpu")
+def test_one_segment_saves_nothing(device):
     from lightning_edu.triton_kernels.la2_fast import la2_fast_forward
 
-    q, k, v, *_ = _inputs(1, 1, 40, 16, 16, seed=5)
-    _, _, (seg_len, incoming) = la2_fast_forward(q, k, v, log2_decay_tensor([0.9], "cpu"), block=16, seg_len=48,
+    q, k, v, *_ = _inputs((1, 1, 40, 16, 16), device, seed=5)
+    _, _, (seg_len, incoming) = la2_fast_forward(q, k, v, log2_decay_tensor([0.9], device), block=16, seg_len=48,
                                                  save_states=True)
     assert seg_len == 48 and incoming is None
+
+
+@on("cuda")
+def test_decay_near_zero_and_long_sequence_stay_finite(device):
+    q, k, v, do, s0, dsn = _inputs((1, 2, 20000, 64, 64), device, torch.bfloat16, seed=2)
+    lam = np.array([1e-3, 1.0])
+    o = le.lightning_attention(q, k, v, lam)
+    assert torch.isfinite(o).all()
+    ro = blockwise_forward(_np(q), _np(k), _np(v), lam, 256)[0]
+    assert relative_error(o, ro) < BOUNDS[torch.bfloat16]
 
 
 def test_log2_decay_is_built_once_per_device_and_values():

@@ -1,14 +1,21 @@
 """The triton backend inside a training step on a GPU: no host-device synchronisation whatever form decay takes,
 CUDA-graph capture of forward + backward, a learnable decay against float64, and a bad lambda in a GPU tensor
-turned into NaN for its head rather than read by the host. Skipped without CUDA (tests/gpu/conftest.py)."""
+turned into NaN for its head rather than read by the host.
+
+CUDA by nature (the host-device synchronisation it checks and CUDA graphs have no interpreter counterpart): every test
+is a "cuda" case of tests/kernel_cases.py, marked ``gpu`` and skipped by its one rule where the compiled kernels
+cannot run on CUDA."""
 
 import numpy as np
 import pytest
 import torch
+from kernel_cases import marks
 
 import lightning_edu as le
 from lightning_edu.checks import relative_error
 from lightning_edu.errata import autograd_gradients
+
+pytestmark = marks("cuda")
 
 HEADS = 4
 LAMBDAS = [1.0, 0.99, 0.9, 0.5]
