@@ -263,15 +263,16 @@ def test_decoder_errors():
 
 # ---------------------------------------------------------------- MQAR
 
-def test_mqar_by_construction():
-    pairs, seq_len, vocab = 5, 40, 31
+@pytest.mark.parametrize("vocab", [31, 4001])  # keys drawn by one argsort, or row by row (a large vocabulary)
+def test_mqar_by_construction(vocab):
+    pairs, seq_len = 5, 40
     inputs, targets = mqar_batch(16, seq_len, pairs, vocab, seed=3)
     assert inputs.shape == targets.shape == (16, seq_len) and inputs.dtype == targets.dtype == torch.int64
     n_keys = (vocab - 1) // 2
     for x, y in zip(inputs.tolist(), targets.tolist()):
         keys, values = x[0:2 * pairs:2], x[1:2 * pairs:2]
         assert len(set(keys)) == pairs and all(1 <= k <= n_keys for k in keys)
-        assert all(n_keys < v < vocab for v in values)
+        assert len(set(values)) == pairs and all(n_keys < v < vocab for v in values)
         table = dict(zip(keys, values))
         assert y[:2 * pairs] == [IGNORE_INDEX] * (2 * pairs)
         queries = [(x[t], y[t]) for t in range(2 * pairs, seq_len) if y[t] != IGNORE_INDEX]
@@ -279,6 +280,23 @@ def test_mqar_by_construction():
         assert all(table[k] == v for k, v in queries)
         rest = [x[t] for t in range(2 * pairs, seq_len) if y[t] == IGNORE_INDEX]
         assert set(rest) <= {0}
+
+
+@pytest.mark.parametrize("vocab", [31, 4001])
+def test_mqar_draws_are_spread(vocab):
+    # 500 sequences of 5 pairs. Every place after the pairs holds a query somewhere, and each of the 5 pairs is
+    # the one asked first about equally often (an off-by-one or an unshuffled order in the sampling would show).
+    pairs, seq_len, n = 5, 40, 500
+    inputs, targets = mqar_batch(n, seq_len, pairs, vocab, seed=0)
+    asked = targets != IGNORE_INDEX
+    assert set(asked.nonzero()[:, 1].tolist()) == set(range(2 * pairs, seq_len))
+    first_key = inputs[torch.arange(n), asked.float().argmax(1)]
+    first_pair = (inputs[:, 0:2 * pairs:2] == first_key[:, None]).float().argmax(1)
+    assert torch.bincount(first_pair, minlength=pairs).min() > 60  # about 100 each
+    if vocab == 31:  # 2500 draws from 15 keys and 15 values: every one of them turns up
+        n_keys = (vocab - 1) // 2
+        assert set(inputs[:, 0:2 * pairs:2].flatten().tolist()) == set(range(1, n_keys + 1))
+        assert set(inputs[:, 1:2 * pairs:2].flatten().tolist()) == set(range(n_keys + 1, vocab))
 
 
 def test_mqar_is_deterministic_per_seed():
@@ -304,16 +322,19 @@ def test_mqar_refuses_impossible_configs():
 
 # ---------------------------------------------------------------- training
 
-def test_softmax_model_learns_mqar_values():
+def test_softmax_model_learns_mqar_values(torch_threads):
     # The first thing a model learns on MQAR is where answers come from. Uniform over the 32 tokens costs
     # log(32); uniform over the 16 value tokens log(16), 80 % of that; uniform over the 4 values of its own
     # sequence log(4), 40 %. Below 60 % the model prefers the values in its sequence: the first step towards
     # recall (which needs two layers: one to copy each key into its value's position, one to match the query),
-    # not recall itself.
+    # not recall itself (tests/test_lm_quality.py checks recall, with quality.mqar_run's recipe). After 150
+    # steps the loss is at about 50 % of the first (seeds 0 to 3, when this was written).
     torch.manual_seed(0)
     model = Decoder(32, 32, 4, 2, "softmax", max_len=32)
-    records = train(model, mqar_batches(32, 32, 4, 32, seed=1), steps=100, lr=3e-3, log_every=1, progress=False)
-    assert [r["step"] for r in records] == list(range(1, 101))
+    with torch_threads(1):  # a tiny model: one thread is faster, the more so when the other core is busy
+        records = train(model, mqar_batches(32, 32, 4, 32, seed=1), steps=150, lr=3e-3, log_every=1,
+                        progress=False)
+    assert [r["step"] for r in records] == list(range(1, 151))
     assert all(r["tokens_per_s"] > 0 for r in records)
     first, last = records[0]["loss"], np.mean([r["loss"] for r in records[-10:]])
     assert first > 3.0  # about log(32) at the start
