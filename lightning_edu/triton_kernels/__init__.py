@@ -145,7 +145,8 @@ def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
 
     One call of the custom op ``lightning_edu::la2_forward`` (:mod:`.ops`), differentiable through its
     registered backward, and a single node to :func:`torch.compile`; called eagerly on plain tensors, the same
-    forward and backward run as an autograd Function (:class:`.ops.EagerLA2`), which skips the dispatcher. o has v's dtype, final_state is float32.
+    forward and backward run as an autograd Function (:class:`.ops.EagerLA2`), which skips the dispatcher.
+    o has v's dtype, final_state is float32.
     bfloat16 inputs off CUDA (the CPU interpreter) are computed in float32 and o is returned as bfloat16;
     gradients flow back to the bfloat16 leaves as bfloat16. The forward keeps its segment states for the backward
     only when a gradient can be asked for (grad mode on and an input requiring one)."""

@@ -203,8 +203,8 @@ class EagerLA2(torch.autograd.Function):
 
     Why a second door to the same kernels. Through the dispatcher each custom-op call pays for its schema
     handling, the autograd wrapper that ``register_autograd`` installs, and the alias checks on its outputs;
-    measured on an H100 machine's host (torch 2.11) that came to about 0.3 ms per forward + backward, as much
-    as the kernels of a short sequence take on the GPU. :func:`~lightning_edu.triton_kernels.triton_attention`
+    measured on an H100 machine's host (torch 2.11, ``python -m lightning_edu.perf.host``) that came to 0.24 ms
+    per forward + backward (1.38 against 1.14 ms), when the kernels of a short sequence take about 0.6 ms. :func:`~lightning_edu.triton_kernels.triton_attention`
     takes this door for plain tensors in eager mode, and the op under :func:`torch.compile` (which cannot trace
     a Triton launch inside a Function) and for tensor subclasses (fake, functional and meta tensors know the op,
     not this class).
