@@ -327,13 +327,13 @@ def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: i
     seg_len is a multiple of ``block`` so every segment but the last is made of whole blocks.
     """
     if seg_len is None:
-        want = max(1, -(-2 * sm_count // max(programs, 1)))
-        blocks = -(-n // block)
-        per_seg = -(-blocks // min(want, blocks))
+        want = max(1, cdiv(2 * sm_count, max(programs, 1)))
+        blocks = cdiv(n, block)
+        per_seg = cdiv(blocks, min(want, blocks))
         seg_len = per_seg * block
     if seg_len % block:
         raise ValueError(f"seg_len must be a multiple of the block size {block}, got {seg_len}")
-    return -(-n // seg_len), seg_len
+    return cdiv(n, seg_len), seg_len
 
 
 def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, num_warps, num_stages, seg_len,
@@ -476,7 +476,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     block = dkdv_block or block
     dkdv_stages = dkdv_stages or num_stages
     if seg_len is not None and seg_len % block:
-        seg_len = -(-seg_len // block) * block
+        seg_len = cdiv(seg_len, block) * block
     num_seg, seg_len_ = choose_segments(batch * heads, n, block, _sm_count(q.device), seg_len)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)

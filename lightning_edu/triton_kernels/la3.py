@@ -209,7 +209,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
         # and 16-row micro-chunks at (64, 32) run correctly: a compiler fault, so this shape takes 16-row tiles.
         micro = 16
     if seg_len is not None and seg_len % chunk:
-        seg_len = -(-seg_len // chunk) * chunk
+        seg_len = cdiv(seg_len, chunk) * chunk
     num_seg, seg_len = choose_segments(batch * heads, n, chunk, sm_count(q.device), seg_len)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
