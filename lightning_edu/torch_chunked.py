@@ -414,19 +414,54 @@ class LightningAttentionFunction(torch.autograd.Function):
         return o, final
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do, d_final):
         q, k, v, initial_state = ctx.saved_tensors
         do = torch.zeros_like(v) if do is None else do
         decay = ctx.decay.detach() if torch.is_tensor(ctx.decay) else ctx.decay
-        dq, dk, dv, d_init = _backward(q, k, v, do, initial_state, d_final, decay, ctx.block_size, ctx.scan)
-        d_init = None if initial_state is None else d_init.to(initial_state.dtype)
-        d_decay = None
-        if ctx.decay_grad:  # dL/dlambda = dL/d(ln lambda) / lambda
-            lam = decay_tensor(decay, q.device)
-            d_ln = decay_gradient(q, k, v, do, decay, initial_state, d_final, ctx.block_size, ctx.scan)
-            d_decay = (d_ln / lam).to(ctx.decay.dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_init, d_decay, None, None
+        grads = first_derivative_only("the torch backend", _gradients, q, k, v, do, initial_state, d_final, decay,
+                                      ctx.block_size, ctx.scan, ctx.decay_grad)
+        return (*grads, None, None)
+
+
+def _gradients(q, k, v, do, initial_state, d_final, decay, block_size, scan, decay_grad):
+    """(dq, dk, dv, d_initial_state, d_decay) of :class:`LightningAttentionFunction` (d_decay None unless asked)."""
+    dq, dk, dv, d_init = _backward(q, k, v, do, initial_state, d_final, decay, block_size, scan)
+    d_init = None if initial_state is None else d_init.to(initial_state.dtype)
+    d_decay = None
+    if decay_grad:  # dL/dlambda = dL/d(ln lambda) / lambda
+        lam = decay_tensor(decay, q.device)
+        d_ln = decay_gradient(q, k, v, do, decay, initial_state, d_final, block_size, scan)
+        d_decay = (d_ln / lam).to(decay.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_init, d_decay
+
+
+class _FirstDerivativeOnly(torch.autograd.Function):
+    """``fn(*args)`` as one node of a graph that ``create_graph=True`` is building, whose own backward raises.
+
+    For a hand-written backward that has no backward of its own. Its tensor arguments connect the node to the
+    graph, so a second derivative, by ``.backward()`` or by ``torch.autograd.grad(..., inputs=...)``, reaches it
+    and raises. (``@once_differentiable`` puts its error node on outputs that no input leads to, so
+    ``autograd.grad`` with ``inputs`` never runs it, and the second derivative would come back without this
+    function's term, silently wrong.)
+    """
+
+    @staticmethod
+    def forward(ctx, who, fn, *args):
+        ctx.who = who
+        return fn(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{ctx.who} has no second derivative: its hand-written backward has no backward of its "
+                           f"own (differentiate once, or compute higher derivatives another way)")
+
+
+def first_derivative_only(who: str, fn, *args):
+    """``fn(*args)``; while a graph is being built (``create_graph=True``), through :class:`_FirstDerivativeOnly`,
+    so that differentiating the result again raises instead of silently leaving this term out."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return _FirstDerivativeOnly.apply(who, fn, *args)
 
 
 def chunked_forward(q, k, v, decay=1.0, block_size: int | None = None, initial_state=None, scan: str = "sequential"):

@@ -117,3 +117,27 @@ def test_a_model_compiles_whole_before_its_first_eager_call():
     run = subprocess.run([sys.executable, "-c", _COMPILE_FIRST], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == "True"
+
+
+@pytest.mark.parametrize("door", ["triton operator", "triton function", "torch"])
+@pytest.mark.parametrize("how", ["autograd.grad with inputs", "backward"])
+def test_a_second_derivative_is_refused_not_dropped(door, how):
+    """No backend has a second derivative (their hand-written backwards have none of their own): asking for one
+    must raise, by either route, never return a gradient that silently lacks the attention's term."""
+    q, k, v, _ = _inputs(3)
+    q.requires_grad_()
+    if door == "triton operator":
+        o, _, _ = la2_forward(q, k, v, log2_decay_tensor([0.9, 0.99], "cpu"), None, 16, True)
+    elif door == "triton function":
+        o, _ = triton_attention(q, k, v, [0.9, 0.99], block_size=16)
+    else:
+        import lightning_edu as le
+
+        o = le.lightning_attention(q, k, v, [0.9, 0.99], backend="torch", block_size=16)
+    (gq,) = torch.autograd.grad(o.square().sum(), [q], create_graph=True)
+    loss = gq.sum() + q.square().sum()  # the second term alone would give a plausible-looking answer
+    with pytest.raises(RuntimeError, match="no second derivative|no autograd formula"):
+        if how == "backward":
+            loss.backward()
+        else:
+            torch.autograd.grad(loss, [q])

@@ -48,7 +48,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..torch_chunked import decay_gradient
+from ..torch_chunked import decay_gradient, first_derivative_only
 from ._tiles import cdiv, interpreted, pad_dim, sm_count, upcast_for_interpreter
 from .la2_fast import choose_segments, la2_fast_forward
 
@@ -204,10 +204,10 @@ class EagerLA2(torch.autograd.Function):
     Why a second door to the same kernels. Through the dispatcher each custom-op call pays for its schema
     handling, the autograd wrapper that ``register_autograd`` installs, and the alias checks on its outputs;
     measured on an H100 machine's host (torch 2.11, ``python -m lightning_edu.perf.host``) that came to 0.24 ms
-    per forward + backward (1.38 against 1.14 ms), when the kernels of a short sequence take about 0.6 ms. :func:`~lightning_edu.triton_kernels.triton_attention`
-    takes this door for plain tensors in eager mode, and the op under :func:`torch.compile` (which cannot trace
-    a Triton launch inside a Function) and for tensor subclasses (fake, functional and meta tensors know the op,
-    not this class).
+    per forward + backward (1.38 against 1.14 ms), when the kernels of a short sequence take about 0.6 ms.
+    :func:`~lightning_edu.triton_kernels.triton_attention` takes this door for plain tensors in eager mode, and
+    the op under :func:`torch.compile` (which cannot trace a Triton launch inside a Function) and for tensor
+    subclasses (fake, functional and meta tensors know the op, not this class).
     """
 
     @staticmethod
@@ -218,4 +218,9 @@ class EagerLA2(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, d_sn, d_incoming):
-        return _backward(ctx, do, d_sn, d_incoming, backward=backward_impl)
+        # Under create_graph=True the kernels' backward becomes a node that refuses to be differentiated again,
+        # as the op's does, rather than let a second derivative come back without the attention's term.
+        def kernels(*args):
+            return first_derivative_only("the triton backend", backward_impl, *args)
+
+        return _backward(ctx, do, d_sn, d_incoming, backward=kernels)
