@@ -1,6 +1,7 @@
 """The backend's two doors to the same kernels: the custom op (compiled code, tensor subclasses) and the autograd
-Function eager calls take (:class:`lightning_edu.triton_kernels.ops.EagerLA2`); and the cached log2 of a decay
-tensor. (CPU: the kernels run in Triton's interpreter.)"""
+Function eager calls take (:class:`lightning_edu.triton_kernels.ops.EagerLA2`); the cached log2 of a decay
+tensor; and, for every hand-written backward (both triton doors, LA-1, the torch backend), a second derivative
+that raises instead of coming back without the attention's term. (CPU: the kernels run in Triton's interpreter.)"""
 
 import pytest
 import torch
@@ -119,7 +120,7 @@ def test_a_model_compiles_whole_before_its_first_eager_call():
     assert run.stdout.strip().splitlines()[-1] == "True"
 
 
-@pytest.mark.parametrize("door", ["triton operator", "triton function", "torch"])
+@pytest.mark.parametrize("door", ["triton operator", "triton function", "torch", "la1"])
 @pytest.mark.parametrize("how", ["autograd.grad with inputs", "backward"])
 def test_a_second_derivative_is_refused_not_dropped(door, how):
     """No backend has a second derivative (their hand-written backwards have none of their own): asking for one
@@ -130,10 +131,14 @@ def test_a_second_derivative_is_refused_not_dropped(door, how):
         o, _, _ = la2_forward(q, k, v, log2_decay_tensor([0.9, 0.99], "cpu"), None, 16, True)
     elif door == "triton function":
         o, _ = triton_attention(q, k, v, [0.9, 0.99], block_size=16)
-    else:
+    elif door == "torch":
         import lightning_edu as le
 
         o = le.lightning_attention(q, k, v, [0.9, 0.99], backend="torch", block_size=16)
+    else:
+        from lightning_edu.triton_kernels.la1 import la1_attention
+
+        o = la1_attention(q, k, v, [0.9, 0.99], block_size=16)
     (gq,) = torch.autograd.grad(o.square().sum(), [q], create_graph=True)
     loss = gq.sum() + q.square().sum()  # the second term alone would give a plausible-looking answer
     with pytest.raises(RuntimeError, match="no second derivative|no autograd formula"):

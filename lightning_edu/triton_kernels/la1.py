@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from ..validation import device_decay, validate_attention_args, validate_block_size, validate_decay, validate_head_dims
+from ..torch_chunked import first_derivative_only
 from ._tiles import (
     apply_decay, cdiv, clear_flag, decay_tile, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite,
     flagged_range, pad_dim, poison, refuse_interpreted_bf16, stored_nonfinite,
@@ -436,7 +437,9 @@ class LA1Function(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v = ctx.saved_tensors
-        dq, dk, dv = la1_backward(q, k, v, do, ctx.decay, ctx.block_size)
+        # a second derivative raises (the kernels have no backward of their own) instead of dropping this term
+        dq, dk, dv = first_derivative_only("LA-1's Triton backward", la1_backward, q, k, v, do, ctx.decay,
+                                           ctx.block_size)
         return dq, dk, dv, None, None
 
 
