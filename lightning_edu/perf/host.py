@@ -5,8 +5,8 @@
 
 On a short sequence the kernels finish before the host has launched the next one, so the host's time per call
 is the call's time. Each row times the same forward + backward (bf16, 1 x 4 heads x T tokens, per-head decay
-as a CUDA tensor, gradients set to None after each call, as a training step does) through one more layer
-of the call than the row before:
+as a CUDA tensor, gradients set to None after each call, as a training step does); the first three rows add
+one layer of the call at a time, the fourth is the public function:
 
 1. ``kernels``: the launchers alone (:func:`~lightning_edu.triton_kernels.ops.forward_impl`, then
    :func:`~lightning_edu.triton_kernels.ops.backward_impl` on the saved states), no autograd;
@@ -17,7 +17,8 @@ of the call than the row before:
 
 Host microseconds per call, the median and the minimum over interleaved rounds (each round runs every row
 ``calls`` times between two synchronisations, so drifts of the machine hit every row alike); and, for row 1,
-the GPU time of its kernels (``triton.testing.do_bench``). One JSON record with the machine, versions, commit.
+its time by device events (``triton.testing.do_bench``), which on a call this short includes the GPU's idle
+gaps while it waits for the host. One JSON record with the machine, versions, commit.
 """
 
 from __future__ import annotations
