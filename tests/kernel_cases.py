@@ -91,3 +91,19 @@ def synchronize(device: str) -> None:
     """Wait for the device's kernels (a no-op in the interpreter, which runs them on the host as they are called)."""
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+def kernel_inputs(shape, device: str, dtype=torch.float32, seed: int = 0):
+    """q, k, v, do (halved standard normals, rounded to dtype) and s0, dsn (fp32) of ``shape`` = (batch, heads, n,
+    d_k, d_v), from a generator seeded on ``device``: the inputs of the kernel tests."""
+    batch, heads, n, d_k, d_v = shape
+    g = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda *s: (torch.randn(*s, device=device, generator=g) / 2).to(dtype)  # noqa: E731
+    q, k, v, do = mk(batch, heads, n, d_k), mk(batch, heads, n, d_k), mk(batch, heads, n, d_v), mk(batch, heads, n, d_v)
+    s0, dsn = (torch.randn(batch, heads, d_k, d_v, device=device, generator=g) for _ in range(2))
+    return q, k, v, do, s0, dsn
+
+
+def to_numpy64(x):
+    """A tensor as a float64 numpy array, for the float64 references."""
+    return x.detach().double().cpu().numpy()

@@ -239,6 +239,12 @@ def test_eager_matches_numpy(device, shape, block_size):
     decays = [0.9, 0.99]
     o, sn = le.lightning_attention(q, k, v, decays, backend="triton", initial_state=s0, return_state=True,
                                    block_size=block_size)
+    _assert_matches_numpy(q, k, v, s0, decays, o, sn, BOUNDS[torch.float32])
+
+
+def _assert_matches_numpy(q, k, v, s0, decays, o, sn, bound):
+    """Back-propagate random dO and dSN through (o, sn), then hold o, sn and the gradients of q, k, v, s0 to the
+    float64 numpy rung within ``bound``."""
     do, dsn = torch.randn_like(o), torch.randn_like(sn)
     torch.autograd.backward((o, sn), (do, dsn))
     n64 = lambda x: x.detach().double().cpu().numpy()  # noqa: E731
@@ -247,7 +253,6 @@ def test_eager_matches_numpy(device, shape, block_size):
     grads_ref = le.lightning_attention_backward(n64(q), n64(k), n64(v), n64(do), np.array(decays), backend="numpy",
                                                 initial_state=n64(s0), d_final_state=n64(dsn),
                                                 return_state_grad=True)
-    bound = BOUNDS[torch.float32]
     assert relative_error(n64(o), o_ref) < bound
     assert relative_error(n64(sn), sn_ref) < bound
     for got, want in zip((q.grad, k.grad, v.grad, s0.grad), grads_ref):
@@ -328,17 +333,5 @@ def test_compiled_bf16_matches_numpy(device, shape):
     q, k, v, s0 = _inputs(shape, dtype=torch.bfloat16, device=device)
     compiled = torch.compile(AttentionWithState(decays), backend="inductor", fullgraph=True)
     o, sn = compiled(q, k, v, s0)
-    do, dsn = torch.randn_like(o), torch.randn_like(sn)
-    torch.autograd.backward((o, sn), (do, dsn))
-    n64 = lambda x: x.detach().double().cpu().numpy()  # noqa: E731
-    o_ref, sn_ref = le.lightning_attention(n64(q), n64(k), n64(v), np.array(decays), backend="numpy",
-                                           initial_state=n64(s0), return_state=True)
-    grads_ref = le.lightning_attention_backward(n64(q), n64(k), n64(v), n64(do), np.array(decays), backend="numpy",
-                                                initial_state=n64(s0), d_final_state=n64(dsn),
-                                                return_state_grad=True)
-    bound = BOUNDS[torch.bfloat16]
     assert o.dtype == torch.bfloat16 and sn.dtype == torch.float32
-    assert relative_error(n64(o), o_ref) < bound
-    assert relative_error(n64(sn), sn_ref) < bound
-    for got, want in zip((q.grad, k.grad, v.grad, s0.grad), grads_ref):
-        assert relative_error(n64(got), want) < bound
+    _assert_matches_numpy(q, k, v, s0, decays, o, sn, BOUNDS[torch.bfloat16])

@@ -15,7 +15,8 @@ kernels alone. Bounds (relative Frobenius error, per dtype), BOUNDS below:
 import numpy as np
 import pytest
 import torch
-from kernel_cases import cases, on, synchronize
+from kernel_cases import cases, kernel_inputs, on, synchronize
+from kernel_cases import to_numpy64 as _np
 
 import lightning_edu as le
 from lightning_edu.checks import relative_error
@@ -25,19 +26,6 @@ from lightning_edu.triton_kernels import VARIANTS, log2_decay_tensor
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DECAYS = np.array([1.0, 0.99, 0.05])  # the cuda cases' decays, the first `heads` of them
 
-
-def _inputs(shape, device, dtype=torch.float32, seed=0):
-    """q, k, v, do (halved standard normals, rounded to dtype) and s0, dsn (fp32) from a seeded generator."""
-    batch, heads, n, d_k, d_v = shape
-    g = torch.Generator(device=device).manual_seed(seed)
-    mk = lambda *s: (torch.randn(*s, device=device, generator=g) / 2).to(dtype)  # noqa: E731
-    q, k, v, do = mk(batch, heads, n, d_k), mk(batch, heads, n, d_k), mk(batch, heads, n, d_v), mk(batch, heads, n, d_v)
-    s0, dsn = (torch.randn(batch, heads, d_k, d_v, device=device, generator=g) for _ in range(2))
-    return q, k, v, do, s0, dsn
-
-
-def _np(x):
-    return x.detach().double().cpu().numpy()
 
 
 def _shape_id(shape):
@@ -84,7 +72,7 @@ def test_every_variant_is_tested():
              for variant in sorted(VARIANTS) for shape in GPU_SHAPES for dtype in BOUNDS],
 })
 def test_variant_forward_backward(device, variant, shape, decays, block, seg_len, dtype):
-    q, k, v, do, s0, dsn = _inputs(shape, device, dtype)
+    q, k, v, do, s0, dsn = kernel_inputs(shape, device, dtype)
     lam = np.array(decays)
     forward, backward, segmented, backward_options = KERNELS[variant]
     l2 = log2_decay_tensor(lam, device)
@@ -117,7 +105,7 @@ def test_variant_forward_backward(device, variant, shape, decays, block, seg_len
     "cuda": [((2, 3, 517, 64, 32), list(DECAYS), "auto", None, dtype) for dtype in BOUNDS],  # auto picks triton
 })
 def test_backend_differentiates_with_state(device, shape, decays, backend, block_size, dtype):
-    q, k, v, do, s0, dsn = _inputs(shape, device, dtype, seed=1)
+    q, k, v, do, s0, dsn = kernel_inputs(shape, device, dtype, seed=1)
     lam = np.array(decays)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]
     o, sn = le.lightning_attention(*leaves[:3], lam, backend=backend, block_size=block_size,
@@ -134,7 +122,7 @@ def test_backend_differentiates_with_state(device, shape, decays, backend, block
 
 @on("cpu")
 def test_backend_unused_final_state_and_backward_entry_point(device):
-    q, k, v, do, _, _ = _inputs((1, 1, 33, 16, 16), device, seed=2)
+    q, k, v, do, _, _ = kernel_inputs((1, 1, 33, 16, 16), device, seed=2)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     o = le.lightning_attention(*leaves, 0.7, backend="triton", block_size=16)
     (o * do).sum().backward()
@@ -149,7 +137,7 @@ def test_backend_unused_final_state_and_backward_entry_point(device):
 def test_sequence_length_is_not_a_compile_time_constant(device):
     from lightning_edu.triton_kernels.la2_fast import _la2_fast_forward_kernel
 
-    q, k, v, *_ = _inputs((1, 1, 70, 16, 16), device, seed=3)
+    q, k, v, *_ = kernel_inputs((1, 1, 70, 16, 16), device, seed=3)
     for n in (70, 41, 23):
         out = le.lightning_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], 0.9, backend="triton", block_size=16)
         want = le.lightning_attention(*(_np(x[:, :, :n]) for x in (q, k, v)), 0.9)
@@ -164,7 +152,7 @@ def test_sequence_length_is_not_a_compile_time_constant(device):
 @on()
 @pytest.mark.parametrize("bad", [8, 24, 100])
 def test_triton_block_size_must_be_a_power_of_two_tile(device, bad):
-    q, k, v, *_ = _inputs((1, 1, 8, 16, 16), device)
+    q, k, v, *_ = kernel_inputs((1, 1, 8, 16, 16), device)
     with pytest.raises(ValueError, match="block_size for backend='triton' must be a power of two >= 16"):
         le.lightning_attention(q, k, v, backend="triton", block_size=bad)
 
@@ -172,7 +160,7 @@ def test_triton_block_size_must_be_a_power_of_two_tile(device, bad):
 def test_literal_refuses_heads_it_cannot_hold_on_chip():
     from lightning_edu.triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
 
-    q, k, v, do, _, _ = _inputs((1, 1, 4, 256, 16), "cpu")
+    q, k, v, do, _, _ = kernel_inputs((1, 1, 4, 256, 16), "cpu")
     l2 = log2_decay_tensor([0.9], "cpu")
     with pytest.raises(ValueError, match=r"la2_literal supports d_k, d_v <= 128 .* got d_k=256, d_v=16"):
         la2_literal_forward(q, k, v, l2)
@@ -189,7 +177,7 @@ def test_backward_reusing_the_forwards_segment_states(device, shape, decays, blo
     from lightning_edu.triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
 
     batch, heads, n = shape[:3]
-    q, k, v, do, s0, dsn = _inputs(shape, device, dtype, seed=3)
+    q, k, v, do, s0, dsn = kernel_inputs(shape, device, dtype, seed=3)
     lam = np.array(decays)
     l2 = log2_decay_tensor(lam, device)
     tiles = {} if block is None else {"block": block}
@@ -209,7 +197,7 @@ def test_backward_reusing_the_forwards_segment_states(device, shape, decays, blo
 def test_one_segment_saves_nothing(device):
     from lightning_edu.triton_kernels.la2_fast import la2_fast_forward
 
-    q, k, v, *_ = _inputs((1, 1, 40, 16, 16), device, seed=5)
+    q, k, v, *_ = kernel_inputs((1, 1, 40, 16, 16), device, seed=5)
     _, _, (seg_len, incoming) = la2_fast_forward(q, k, v, log2_decay_tensor([0.9], device), block=16, seg_len=48,
                                                  save_states=True)
     assert seg_len == 48 and incoming is None
@@ -217,7 +205,7 @@ def test_one_segment_saves_nothing(device):
 
 @on("cuda")
 def test_decay_near_zero_and_long_sequence_stay_finite(device):
-    q, k, v, do, s0, dsn = _inputs((1, 2, 20000, 64, 64), device, torch.bfloat16, seed=2)
+    q, k, v, do, s0, dsn = kernel_inputs((1, 2, 20000, 64, 64), device, torch.bfloat16, seed=2)
     lam = np.array([1e-3, 1.0])
     o = le.lightning_attention(q, k, v, lam)
     assert torch.isfinite(o).all()

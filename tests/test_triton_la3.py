@@ -13,7 +13,8 @@ dtype), BOUNDS below, those of tests/test_triton_la2.py: fp32 1e-5 (IEEE fp32 do
 import numpy as np
 import pytest
 import torch
-from kernel_cases import cases, on
+from kernel_cases import cases, kernel_inputs, on
+from kernel_cases import to_numpy64 as _np
 
 import lightning_edu as le
 from lightning_edu.checks import random_qkv, relative_error
@@ -26,18 +27,6 @@ from lightning_edu.triton_kernels.la3 import la3_backward, la3_dkdv, la3_tiles
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DECAYS = np.array([1.0, 0.999, 1e-3])  # the cuda cases' decays, the first `heads` of them
 
-
-def _inputs(batch, heads, n, d_k, d_v, device, dtype=torch.float32, seed=0):
-    """q, k, v, do (halved standard normals, rounded to dtype) and s0, dsn (fp32) from a seeded generator."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    mk = lambda *s: (torch.randn(*s, device=device, generator=g) / 2).to(dtype)  # noqa: E731
-    q, k, v, do = mk(batch, heads, n, d_k), mk(batch, heads, n, d_k), mk(batch, heads, n, d_v), mk(batch, heads, n, d_v)
-    s0, dsn = (torch.randn(batch, heads, d_k, d_v, device=device, generator=g) for _ in range(2))
-    return q, k, v, do, s0, dsn
-
-
-def _np(x):
-    return x.detach().double().cpu().numpy()
 
 
 CPU_CASES = [  # (batch, heads, n, d_k, d_v), decays, tiles: la3 computes its own segment states
@@ -60,7 +49,7 @@ GPU_SHAPES = [  # every tile choice of TILES, given the forward's saved segment 
              for name in sorted(TILES) for shape in GPU_SHAPES],
 })
 def test_la3_backward_matches_algorithm2(device, shape, decays, tiles, from_forward, dtype):
-    q, k, v, do, s0, dsn = _inputs(*shape, device, dtype)
+    q, k, v, do, s0, dsn = kernel_inputs(shape, device, dtype)
     lam = np.array(decays)
     l2 = log2_decay_tensor(lam, device)
     saved = la2_fast_forward(q, k, v, l2, s0, save_states=True)[2] if from_forward else None
@@ -103,7 +92,7 @@ def test_every_la3_kernel_fits_in_99_kib_of_shared_memory(device, d, dtype):
     from lightning_edu.perf.resources import SM120_SHARED_LIMIT, compiled_resources
     from lightning_edu.triton_kernels import kernel_config
 
-    q, k, v, do, s0, dsn = _inputs(1, 2, 700, d, d, device, dtype, seed=1)
+    q, k, v, do, s0, dsn = kernel_inputs((1, 2, 700, d, d), device, dtype, seed=1)
     l2 = log2_decay_tensor(DECAYS[:2], device)
     cfg = kernel_config(d, d, dtype)  # the backend's tiles: 32-row blocks for fp32 at d = 128
     records = compiled_resources(lambda: la3_backward(q, k, v, do, l2, s0, dsn, seg_len=256, **cfg), fresh=True)
