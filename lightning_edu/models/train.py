@@ -50,13 +50,15 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: torch.Tenso
 
 def train(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], steps: int, lr: float = 1e-3,
           device: str | torch.device = "cpu", autocast_dtype: torch.dtype | None = None, log_every: int = 10,
-          progress: bool = True, weight_decay: float = 0.0, grad_clip: float | None = 1.0) -> list[dict]:
+          progress: bool = True, weight_decay: float = 0.0, grad_clip: float | None = 1.0,
+          warmup: int = 0) -> list[dict]:
     """Train ``model`` for ``steps`` AdamW steps on (inputs, targets) pairs from ``batches``; returns the log.
 
     The loss is the cross-entropy of ``model(inputs)`` (batch, n, vocab) against ``targets`` (batch, n),
     positions with target -100 skipped. ``autocast_dtype`` (torch.bfloat16 or torch.float16) runs the forward
     pass under ``torch.autocast`` on ``device``; weights and optimiser state stay float32. Gradients are
-    clipped to norm ``grad_clip`` (None: not clipped).
+    clipped to norm ``grad_clip`` (None: not clipped). With ``warmup`` > 0 the learning rate rises linearly from
+    lr / warmup to lr over the first ``warmup`` steps, and stays at lr after.
 
     Every ``log_every`` steps, and at the last step, a record is appended: ``{"step", "loss",
     "tokens_per_s"}``, the loss averaged over the steps since the previous record and the input tokens per
@@ -70,9 +72,12 @@ def train(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
     if autocast_dtype is not None and autocast_dtype not in _AUTOCAST_DTYPES:
         raise ValueError(f"autocast_dtype must be None, torch.bfloat16 or torch.float16, got {autocast_dtype!r}")
+    warmup = validate_int("warmup", warmup, 0)
     device = torch.device(device)
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / warmup)) if warmup else None
+    pin = device.type == "cuda"  # pinned batches copy without waiting for the GPU: the next step's work overlaps
     records: list[dict] = []
     it = iter(batches)
     loss_sum, tokens, t0 = 0.0, 0, time.perf_counter()
@@ -82,12 +87,18 @@ def train(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]
             inputs, targets = next(it)
         except StopIteration:
             raise ValueError(f"batches ran out after {step - 1} of {steps} steps") from None
-        loss = train_step(model, opt, inputs.to(device), targets.to(device), autocast_dtype, grad_clip)
-        loss_sum, tokens = loss_sum + loss.item(), tokens + inputs.numel()
+        inputs, targets = (t.pin_memory().to(device, non_blocking=True) if pin and t.device.type == "cpu"
+                           else t.to(device) for t in (inputs, targets))
+        loss = train_step(model, opt, inputs, targets, autocast_dtype, grad_clip)
+        if schedule is not None:
+            schedule.step()
+        # the loss stays on the device between records: no synchronisation in every step
+        loss_sum, tokens = loss_sum + loss, tokens + inputs.numel()
         if step % log_every == 0 or step == steps:
             n = step - (records[-1]["step"] if records else 0)
+            mean = float(loss_sum) / n  # waits for the GPU: the time below covers the steps' work
             elapsed = time.perf_counter() - t0
-            records.append({"step": step, "loss": loss_sum / n, "tokens_per_s": tokens / max(elapsed, 1e-12)})
+            records.append({"step": step, "loss": mean, "tokens_per_s": tokens / max(elapsed, 1e-12)})
             bar.set_postfix(loss=f"{records[-1]['loss']:.4f}", tok_s=f"{records[-1]['tokens_per_s']:.3g}")
             loss_sum, tokens, t0 = 0.0, 0, time.perf_counter()
     return records

@@ -56,7 +56,7 @@ import torch
 
 from ..models import Decoder, evaluate_mqar, mqar_batch, mqar_batches
 from ..models.lm import VOCAB, evaluate_lm, lm_batches, split_corpus
-from ..models.train import train_step
+from ..models.train import train, train_step
 from .environment import environment_record
 
 __all__ = ["KINDS", "PRESETS", "lm_run", "mqar_run", "main"]
@@ -144,9 +144,9 @@ def lm_run(kind: str, cfg: dict, seed: int = 0, device="cpu", data=None, autocas
 def mqar_run(kind: str, cfg: dict, pairs: int, seed: int = 0, device="cpu", autocast_dtype=None) -> dict:
     """Train one model on MQAR with ``pairs`` key-value pairs; returns its accuracy on fresh sequences.
 
-    AdamW (weight decay 0.01, as lm_run's optimiser; gradients clipped to norm 1, as :func:`train_step` does) on
-    fresh batches of cfg["batch"] sequences, the learning rate rising linearly from cfg["lr"] / cfg["warmup"] to
-    cfg["lr"] over the first cfg["warmup"] steps and constant after. A model first learns to answer with some
+    The book's training loop (:func:`~lightning_edu.models.train.train`): AdamW (weight decay 0.01, as lm_run's
+    optimiser; gradients clipped to norm 1) on fresh batches of cfg["batch"] sequences, the learning rate rising
+    linearly from cfg["lr"] / cfg["warmup"] to cfg["lr"] over the first cfg["warmup"] steps and constant after. A model first learns to answer with some
     value of its sequence (accuracy 1/pairs, a plateau) and only later, suddenly, with the right one. Adam's
     first updates move every weight by about the learning rate, whatever its gradient; at full rate from the
     first step they left our models on that plateau far longer (see :data:`PRESETS`), hence the warm-up. The
@@ -159,22 +159,12 @@ def mqar_run(kind: str, cfg: dict, pairs: int, seed: int = 0, device="cpu", auto
     (training and evaluation, wall time).
     """
     device = torch.device(device)
-    model = _model(kind, cfg["vocab"], cfg, cfg["seq_len"], seed, device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.01)
-    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / cfg["warmup"]))
+    model = _model(kind, cfg["vocab"], cfg, cfg["seq_len"], seed, device)
     batches = mqar_batches(cfg["batch"], cfg["seq_len"], pairs, cfg["vocab"], seed=seed)
     t0 = time.perf_counter()
-    curve, loss_sum, since = [], 0.0, 0
-    pin = device.type == "cuda"  # pinned batches copy without waiting for the GPU: the next step's work overlaps
-    for step in range(1, cfg["steps"] + 1):
-        inputs, targets = (t.pin_memory().to(device, non_blocking=True) if pin else t for t in next(batches))
-        # the loss stays on the device between records: no synchronisation in every step
-        loss_sum = loss_sum + train_step(model, opt, inputs, targets, autocast_dtype)
-        warmup.step()
-        since += 1
-        if step % cfg["log_every"] == 0 or step == cfg["steps"]:
-            curve.append([step, float(loss_sum) / since])
-            loss_sum, since = 0.0, 0
+    records = train(model, batches, cfg["steps"], lr=cfg["lr"], device=device, autocast_dtype=autocast_dtype,
+                    log_every=cfg["log_every"], progress=False, weight_decay=0.01, warmup=cfg["warmup"])
+    curve = [[r["step"], r["loss"]] for r in records]
     test = mqar_batch(cfg["eval_batch"], cfg["seq_len"], pairs, cfg["vocab"], seed=10_000 + seed)
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         accuracy = evaluate_mqar(model, *test)
