@@ -39,7 +39,12 @@ How the kernels are written (every kernel of this package, so that one reads lik
   ``SEG``, ``FLAG``, ``LOG2_DECAY``). A program moves each of them to its own (batch, head) once, at the top
   (:func:`head_start`, in 64 bits, so that no head's start overflows 32 bits however large the batch); below
   that line every offset is within one head, in 32 bits (n * d < 2**31: up to 16M tokens at d = 128):
-  ``rows * D + offs_k`` for an (n, d) tensor, ``state_offs`` for a (d_k, d_v) state.
+  ``rows * D + offs_k`` for an (n, d) tensor, ``state_offs`` for a (d_k, d_v) state. la2_fast's kernels, the
+  backend's, also read and write (batch, heads, n, d) tensors in place whatever their layout, as long as the
+  head dim is contiguous: they take each tensor's batch, head and row strides (``sqb, sqh, sqn`` for Q, and so
+  on), move to a head with :func:`head_offset` and address a row as ``rows * sqn + offs_k``. A model's
+  ``qkv(x).view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)`` is such a tensor: no copy on the way in, and an output
+  laid out as (batch, n, heads, d) costs none on the way out.
 * **Offsets**: ``offs_r`` (rows of a block, 0 .. BLOCK-1), ``offs_k`` / ``offs_v`` (columns of d_k / d_v),
   ``rows`` / ``cols`` (positions in the sequence); masks ``k_ok``, ``v_ok``, ``row_ok``.
 * **Compile-time constants**, one meaning each: ``D_K``, ``D_V`` the head dims; ``PAD_K``, ``PAD_V`` a whole
@@ -63,7 +68,7 @@ import triton.language as tl
 
 __all__ = [
     "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
-    "head_start", "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
+    "head_start", "head_offset", "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
     "clear_flag", "flag_nonfinite",
 ]
 
@@ -138,6 +143,14 @@ def head_start(bh, rows, width):
     """Offset of (batch*head) ``bh``'s first element in a contiguous (batch*heads, rows, width) tensor, in 64 bits:
     ``bh * rows * width`` passes 2**31 when the tensor holds 2**31 elements (4 GiB of bf16), a training batch."""
     return tl.cast(bh, tl.int64) * rows * width  # bh may be a loop index: a Python int in the interpreter
+
+
+@triton.jit
+def head_offset(bh, H, stride_b, stride_h):
+    """Offset of (batch*head) ``bh``'s first element, batch ``bh // H`` and head ``bh % H``, in a (batch, heads,
+    rows, width) tensor with batch stride ``stride_b`` and head stride ``stride_h``, in 64 bits."""
+    bh = tl.cast(bh, tl.int64)  # bh may be a loop index: a Python int in the interpreter
+    return (bh // H) * stride_b + (bh % H) * stride_h
 
 
 @triton.jit

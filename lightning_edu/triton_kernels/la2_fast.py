@@ -35,10 +35,11 @@ import triton.language as tl
 
 from ._tiles import (
     apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    flagged_range, head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
+    flagged_range, head_offset, head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 
-__all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments", "dq_pass", "finish_backward"]
+__all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments", "dq_pass", "finish_backward", "in_place",
+           "output_like"]
 
 
 @triton.jit
@@ -51,21 +52,22 @@ def _row_offsets(p, n, REVERSE: tl.constexpr):
 
 @triton.jit
 def _segment_state_kernel(
-    K, V, SEG, LOG2_DECAY, n, H, seg_len,
+    K, V, SEG, LOG2_DECAY, n, H, seg_len, skb, skh, skn, svb, svh, svn,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, REVERSE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Local state of one full segment: sum over its rows of lambda^(end-1-p) k_p^T v_p.
 
     Grid (batch*heads, num_segments - 1, cdiv(d_v, BLOCK_DV)); SEG is (batch*heads, num_segments, d_k, d_v) fp32.
+    K and V are (batch, heads, n, d) with any batch, head and row strides (``skb, skh, skn``; ``svb, svh, svn``).
     """
     bh = tl.program_id(0)
     seg = tl.program_id(1)
     pid_v = tl.program_id(2)
     num_seg = tl.num_programs(1) + 1
     log2_lam = tl.load(LOG2_DECAY + bh % H)
-    K += head_start(bh, n, D_K)
-    V += head_start(bh, n, D_V)
+    K += head_offset(bh, H, skb, skh)
+    V += head_offset(bh, H, svb, svh)
     SEG += head_start(bh, num_seg, D_K * D_V)
     offs_r = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, PAD_K)
@@ -78,8 +80,8 @@ def _segment_state_kernel(
     k_scale = tl.exp2(log2_lam * (BLOCK - 1 - offs_r).to(tl.float32))
     for blk in range(start, start + seg_len, BLOCK):  # segments before the last are whole blocks
         rows = _row_offsets(blk + offs_r, n, REVERSE)
-        k = tl.load(K + rows[:, None] * D_K + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        v = tl.load(V + rows[:, None] * D_V + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+        k = tl.load(K + rows[:, None] * skn + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        v = tl.load(V + rows[:, None] * svn + offs_v[None, :], mask=v_ok[None, :], other=0.0)
         ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
         kv = kv * block_decay + tl.dot(tl.trans(ks), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
     tl.store(SEG + seg * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], kv, mask=k_ok[:, None] & v_ok[None, :])
@@ -107,9 +109,10 @@ def _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok,
 
 @triton.jit
 def _forward_sweep(Q, K, V, O, kv, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask, q_scale,
-                   D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr,
+                   sqn, skn, svn, son, D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr,
                    PRECISION: tl.constexpr, SAFE: tl.constexpr):
-    """Algorithm 1 over positions [start, end) of one head from state ``kv``; returns the final state.
+    """Algorithm 1 over positions [start, end) of one head from state ``kv``; returns the final state. Row r of
+    Q is at ``Q + r * sqn`` (K, V, O likewise).
 
     SAFE: exact for non-finite K and V (a non-finite k_p or v_p reaches rows p' >= p only; see _tiles); the
     state update keeps the raw V, so it reaches every later block too.
@@ -118,9 +121,9 @@ def _forward_sweep(Q, K, V, O, kv, start, end, n, log2_lam, offs_r, offs_k, offs
         p = blk + offs_r
         ok = p < end
         rows = _row_offsets(p, n, REVERSE)
-        q = tl.load(Q + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        k = tl.load(K + rows[:, None] * D_K + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        v = tl.load(V + rows[:, None] * D_V + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
+        q = tl.load(Q + rows[:, None] * sqn + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        k = tl.load(K + rows[:, None] * skn + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        v = tl.load(V + rows[:, None] * svn + offs_v[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0)
         b = tl.minimum(end - blk, BLOCK)
         scores = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, SAFE)  # (B, d_k) @ (d_k, B)
         if SAFE:
@@ -132,21 +135,21 @@ def _forward_sweep(Q, K, V, O, kv, start, end, n, log2_lam, offs_r, offs_k, offs
         k_scale = tl.where(ok, tl.exp2(log2_lam * tl.maximum(b - 1 - offs_r, 0).to(tl.float32)), 0.0)
         ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
         kv = kv * tl.exp2(log2_lam * b.to(tl.float32)) + tl.dot(tl.trans(ks), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
-        tl.store(O + rows[:, None] * D_V + offs_v[None, :], o.to(O.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
+        tl.store(O + rows[:, None] * son + offs_v[None, :], o.to(O.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
     return kv
 
 
 @triton.jit
 def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
-                     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr,
                      SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr, PRECISION: tl.constexpr,
                      SAFE: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
-    Q += head_start(bh, n, D_K)
-    K += head_start(bh, n, D_K)
-    V += head_start(bh, n, D_V)
-    O += head_start(bh, n, D_V)
+    Q += head_offset(bh, H, sqb, sqh)
+    K += head_offset(bh, H, skb, skh)
+    V += head_offset(bh, H, svb, svh)
+    O += head_offset(bh, H, sob, soh)
     S0 += head_start(bh, 1, D_K * D_V)
     SN += head_start(bh, 1, D_K * D_V)
     SEG += head_start(bh, num_seg, D_K * D_V)
@@ -167,7 +170,7 @@ def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh
     start = seg * seg_len
     end = tl.minimum(start + seg_len, n)
     kv = _forward_sweep(Q, K, V, O, kv, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask,
-                        q_scale, D_K, D_V, BLOCK, REVERSE, PRECISION, SAFE)
+                        q_scale, sqn, skn, svn, son, D_K, D_V, BLOCK, REVERSE, PRECISION, SAFE)
     if STORE_SN:
         if seg == num_seg - 1:
             tl.store(SN + state_offs, kv, mask=state_ok)
@@ -177,12 +180,16 @@ def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh
 @triton.jit
 def _la2_fast_forward_kernel(
     Q, K, V, O, S0, SN, SEG, INC, FLAG, LOG2_DECAY, n, H, seg_len, n_programs,
+    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr,
     SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr, PRECISION: tl.constexpr,
     SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
 ):
     """Algorithm 1 over one segment. Grid (batch*heads, num_segments, cdiv(d_v, BLOCK_DV)).
+
+    Q, K, V and O are (batch, heads, n, d) with contiguous rows and any batch, head and row strides, given as
+    ``sqb, sqh, sqn`` (Q) and likewise for K, V and O.
 
     STORE_INC saves each segment's incoming state to INC (batch*heads, num_segments, d_k, d_v) fp32, so
     that the backward's dQ pass can start every segment without a pre-pass over K and V.
@@ -196,7 +203,8 @@ def _la2_fast_forward_kernel(
         for i in range(first, stop):
             if tl.load(FLAG + i) != 0:
                 _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, i // slices // num_seg,
-                                 i // slices % num_seg, i % slices, num_seg, D_K, D_V, PAD_K, BLOCK_DV, BLOCK,
+                                 i // slices % num_seg, i % slices, num_seg, sqb, sqh, sqn, skb, skh, skn,
+                                 svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K, BLOCK_DV, BLOCK,
                                  REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC, PRECISION, True)
     else:
         bh = tl.program_id(0)
@@ -205,7 +213,8 @@ def _la2_fast_forward_kernel(
         flag = FLAG + (bh * num_seg + seg) * slices + pid_v
         clear_flag(flag)
         kv = _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
-                              D_K, D_V, PAD_K, BLOCK_DV, BLOCK, REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC,
+                              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K,
+                              BLOCK_DV, BLOCK, REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC,
                               PRECISION, False)
         flag_nonfinite(flag, kv)  # a non-finite K or V entry always leaves the state non-finite (0 * NaN = NaN)
 
@@ -314,7 +323,41 @@ def _la2_fast_dkdv_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Launchers. Inputs: contiguous (batch, heads, n, d) tensors; log2_decay float32 (heads,).
+# Launchers. Inputs: (batch, heads, n, d) tensors, read in place when their head dim is contiguous (see
+# :func:`in_place`); log2_decay float32 (heads,).
+
+
+def _addressable(x) -> bool:
+    # The kernels' row addressing: unit stride along the head dim, a head's rows within 32-bit offsets.
+    return x.stride(-1) == 1 and (x.shape[-2] - 1) * x.stride(-2) + x.shape[-1] < 2**31
+
+
+def in_place(x):
+    """``x`` itself when the kernels can read it where it lies: its head dim contiguous (the last stride 1) and
+    every row of a head within 32-bit offsets of the head's start. Else a contiguous copy.
+
+    A model's q, k and v are usually views of one projection, (batch, n, 3, heads, d) permuted to (batch, heads,
+    n, d): copying each into (batch, heads, n, d) order, and the output back, would cost four trips through
+    memory per call that the kernels avoid by taking strides. An expanded gradient (``o.sum()``'s has stride 0
+    everywhere) is copied.
+    """
+    return x if _addressable(x) else x.contiguous()
+
+
+def output_like(x):
+    """A new tensor of x's shape, dtype and device for a kernel to write: laid out as :func:`torch.empty_like`
+    lays out x (the same dimension order, dense) when the kernels can address that, else contiguous. The
+    backend's outputs and gradients take the layout of the input they match, so the fake implementations of
+    :mod:`.ops` can say which strides the real ones return."""
+    import torch
+
+    y = torch.empty_like(x)
+    return y if _addressable(y) else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _strides(*xs):
+    """Batch, head and row strides of each (batch, heads, n, d) tensor, in order: the kernels' ``s..b, s..h, s..n``."""
+    return tuple(stride for x in xs for stride in x.stride()[:3])
 
 
 def _sm_count(device) -> int:
@@ -337,8 +380,9 @@ def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: i
 
 
 def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, num_warps, num_stages, seg_len,
-                  local_states=None, incoming=None, store_incoming=False):
-    """o_p = q_p sum_{p'<=p} lambda^(p-p') k_p'^T v_p' (+ lambda^(p+1) q_p S0) in processing order p.
+                  local_states=None, incoming=None, store_incoming=False, out=None):
+    """o_p = q_p sum_{p'<=p} lambda^(p-p') k_p'^T v_p' (+ lambda^(p+1) q_p S0) in processing order p, written into
+    ``out`` when given (v's shape, from :func:`output_like`), else into ``output_like(v)``.
 
     Returns (o, final_state, aux) with aux = {"seg_len", "local", "incoming"}: the segment length used,
     the segments' local states (computed here, or ``local_states`` when given: a pass over the same keys
@@ -348,6 +392,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     """
     import torch
 
+    q, k, v = in_place(q), in_place(k), in_place(v)
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
     pad_k = pad_dim(d_k)
@@ -358,7 +403,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     block_dv = min(pad_dim(d_v), block_dv)
     slices = cdiv(d_v, block_dv)
     num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len)
-    o = torch.empty_like(v)
+    o = output_like(v) if out is None else out  # for a view of a (batch, n, heads, d) projection: that layout
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=dot_precision(q))
     seg = incoming if incoming is not None else local_states
@@ -366,7 +411,8 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
         seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
         if num_seg > 1:
             _segment_state_kernel[(batch * heads, num_seg - 1, slices)](
-                k, v, seg, log2_decay, n, heads, seg_len, **meta, num_warps=num_warps, num_stages=num_stages,
+                k, v, seg, log2_decay, n, heads, seg_len, *_strides(k, v), **meta, num_warps=num_warps,
+                num_stages=num_stages,
             )
     # With one segment the dQ pass has no pre-pass to skip (and saving cost 3 % at T = 2K on an H200).
     store_incoming = store_incoming and num_seg > 1
@@ -375,7 +421,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     grid = (batch * heads, num_seg, slices)
     programs = batch * heads * num_seg * slices
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
-    args = (q, k, v, o, s0, sn, seg, inc, flags, log2_decay, n, heads, seg_len, programs)
+    args = (q, k, v, o, s0, sn, seg, inc, flags, log2_decay, n, heads, seg_len, programs, *_strides(q, k, v, o))
     meta.update(HAS_S0=initial_state is not None, SEG_IS_INCOMING=incoming is not None, num_warps=num_warps,
                 num_stages=num_stages)
     # The fast pass flags programs whose state ended non-finite; the exact pass redoes only those (_tiles).
@@ -424,22 +470,24 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
                                     dkdv_block, dkdv_warps, dkdv_stages)
     else:
         cfg = (block, block_dv, num_warps, num_stages)
-        dv, x_end, aux = _forward_form(k, q, do, log2_decay, None, True, *cfg, seg_len)  # state sum q^T do = dKV
+        # state sum q^T do = dKV; each gradient laid out as its input (output_like)
+        dv, x_end, aux = _forward_form(k, q, do, log2_decay, None, True, *cfg, seg_len, out=output_like(v))
         one_segment = aux["local"].shape[1] == 1  # then there are no segment states to share
         local_t = None if one_segment else aux["local"].transpose(-1, -2).contiguous()  # dK's are dV's, transposed
-        dk, _, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg, aux["seg_len"], local_states=local_t)
+        dk, _, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg, aux["seg_len"], local_states=local_t,
+                                 out=output_like(k))
     return finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end)
 
 
 def dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved):
     """dQ: the forward with (query, key, value) = (dO, V, K); its state is KV^T, starting from S0^T. With
-    ``saved`` (the forward's segment states) no pre-pass over K and V runs."""
+    ``saved`` (the forward's segment states) no pre-pass over K and V runs. dQ is laid out as q (output_like)."""
     s0t = initial_state.float().transpose(-1, -2).contiguous() if initial_state is not None else None
     cfg = (block, block_dv, num_warps, num_stages)
     if saved is not None and saved[1] is not None:
         seg_len, incoming = saved[0], saved[1].transpose(-1, -2).contiguous()  # KV^T at each segment start
-        return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, incoming=incoming)[0]
-    return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len)[0]
+        return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, incoming=incoming, out=output_like(q))[0]
+    return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, out=output_like(q))[0]
 
 
 def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end):
@@ -470,6 +518,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
                 dkdv_stages):
     import torch
 
+    q, k, v, do = (x.contiguous() for x in (q, k, v, do))  # this kernel addresses contiguous heads (head_start)
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
     # dK, dV: one reverse sweep over the shared state dKV.
@@ -485,7 +534,8 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     if num_seg > 1:
         block_dv_seg = min(pad_v, block_dv or 64)
         _segment_state_kernel[(batch * heads, num_seg - 1, cdiv(d_v, block_dv_seg))](
-            q, do, seg, log2_decay, n, heads, seg_len_, D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv_seg,
+            q, do, seg, log2_decay, n, heads, seg_len_, *_strides(q, do), D_K=d_k, D_V=d_v, PAD_K=pad_k,
+            BLOCK_DV=block_dv_seg,
             BLOCK=block, REVERSE=True, PRECISION=dot_precision(q), num_warps=num_warps, num_stages=num_stages,
         )
     programs = batch * heads * num_seg

@@ -279,8 +279,8 @@ def la2_literal_dkdv_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Thin launchers: allocate, pick tiles, launch. Inputs are contiguous (batch, heads, n, d) tensors and
-# ``log2_decay`` a float32 tensor (heads,) on the same device; checks happened in validation.py.
+# Thin launchers: allocate, pick tiles, launch. Inputs are (batch, heads, n, d) tensors, made contiguous here,
+# and ``log2_decay`` a float32 tensor (heads,) on the same device; checks happened in validation.py.
 
 
 
@@ -297,6 +297,7 @@ def la2_literal_forward(q, k, v, log2_decay, initial_state=None, block: int = 64
     import torch
 
     refuse_interpreted_bf16("la2_literal_forward", q, k, v)
+    q, k, v = (x.contiguous() for x in (q, k, v))  # the kernels address contiguous heads (head_start)
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
@@ -325,6 +326,7 @@ def la2_literal_backward(q, k, v, do, log2_decay, initial_state=None, d_final_st
     import torch
 
     refuse_interpreted_bf16("la2_literal_backward", q, k, v, do)
+    q, k, v, do = (x.contiguous() for x in (q, k, v, do))  # the kernels address contiguous heads (head_start)
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]

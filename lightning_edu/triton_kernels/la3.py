@@ -36,7 +36,7 @@ from ._tiles import (
     apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
     flagged_range, head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
-from .la2_fast import _incoming_state, _segment_state_kernel, choose_segments, dq_pass, finish_backward
+from .la2_fast import _incoming_state, _segment_state_kernel, _strides, choose_segments, dq_pass, finish_backward
 
 __all__ = ["la3_backward", "la3_dkdv", "la3_tiles", "MAX_HEAD_DIM"]
 
@@ -183,7 +183,8 @@ def _la3_dkdv_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Launchers. Inputs: contiguous (batch, heads, n, d) tensors; log2_decay float32 (heads,).
+# Launchers. Inputs: (batch, heads, n, d) tensors (la3_dkdv makes them contiguous; the dQ pass reads them in
+# place); log2_decay float32 (heads,).
 
 
 def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warps: int = 4, num_stages: int = 1,
@@ -197,6 +198,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     if chunk % micro:
         raise ValueError(f"chunk must be a multiple of micro, got chunk = {chunk}, micro = {micro}")
+    q, k, v, do = (x.contiguous() for x in (q, k, v, do))  # the micro-chunk kernel addresses contiguous heads
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
     if max(d_k, d_v) > MAX_HEAD_DIM:
@@ -218,8 +220,8 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     if num_seg > 1:  # each later-processed segment's local state sum lambda^(end-1-p) q_p^T do_p
         block_dv = min(pad_v, 64)
         _segment_state_kernel[(batch * heads, num_seg - 1, cdiv(d_v, block_dv))](
-            q, do, seg, log2_decay, n, heads, seg_len, D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv,
-            BLOCK=chunk, REVERSE=True, PRECISION=precision, num_warps=4, num_stages=2,
+            q, do, seg, log2_decay, n, heads, seg_len, *_strides(q, do), D_K=d_k, D_V=d_v, PAD_K=pad_k,
+            BLOCK_DV=block_dv, BLOCK=chunk, REVERSE=True, PRECISION=precision, num_warps=4, num_stages=2,
         )
     programs = batch * heads * num_seg
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)

@@ -12,7 +12,9 @@ namespace ``lightning_edu``::
 
 q, k: (batch, heads, n, d_k); v, do: (batch, heads, n, d_v); log2_decay: float32 (heads,), log2(lambda);
 initial_state, d_final_state: (batch, heads, d_k, d_v) or None. o, dq, dk, dv come back in the dtypes of v, q,
-k, v; final_state and d_initial_state in float32. ``incoming`` is what the forward saves for the backward's dQ
+k, v, each laid out as the input it matches (o as v, dq as q, ...: :func:`~.la2_fast.output_like`), so that
+a model's strided views of one projection go in and come out with no copy; final_state and d_initial_state
+are float32 and contiguous. ``incoming`` is what the forward saves for the backward's dQ
 pass: every segment's incoming state, float32 (batch * heads, num_segments, d_k, d_v), or an empty float32
 tensor of shape (0,) when the sequence is one segment or ``save_states`` is False (an op returns tensors, never
 None). It is marked non-differentiable. :func:`~lightning_edu.triton_kernels.triton_attention` passes
@@ -50,7 +52,7 @@ from torch import Tensor
 
 from ..torch_chunked import decay_gradient, first_derivative_only
 from ._tiles import cdiv, interpreted, pad_dim, sm_count, upcast_for_interpreter
-from .la2_fast import choose_segments, la2_fast_forward
+from .la2_fast import choose_segments, la2_fast_forward, output_like
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
            "compute_dtype"]
@@ -85,8 +87,13 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None) -> tuple[di
     return cfg, seg_len, num_seg
 
 
-def _contiguous(*xs):
-    return tuple(None if x is None else x.contiguous() for x in xs)
+def _like(result: Tensor, x: Tensor) -> Tensor:
+    """``result`` in x's dtype and in the layout :func:`~.la2_fast.output_like` gives x (what the fake
+    implementations promise): itself when it already is, else copied into a tensor that is."""
+    if result.dtype == x.dtype and result.stride() == x.stride():  # x dense: output_like(x) has x's strides
+        return result
+    want = output_like(x)
+    return result if result.dtype == x.dtype and result.stride() == want.stride() else want.copy_(result)
 
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_state: Tensor | None = None,
@@ -94,14 +101,14 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_st
     """What ``lightning_edu::la2_forward`` runs (and :class:`EagerLA2`'s forward): (o in v's dtype, final_state
     fp32, incoming), la2_fast's forward, its segment states saved when ``save_states``."""
     cfg, seg_len, num_seg = launch_plan(q, v, block_size)
-    out_dtype = v.dtype
-    q, k, v = upcast_for_interpreter(*_contiguous(q, k, v))
-    o, sn, *saved = la2_fast_forward(q, k, v, log2_decay.float().contiguous(), initial_state,
+    # read where they lie (la2_fast.in_place): a strided view of a projection is not copied
+    qc, kc, vc = upcast_for_interpreter(q, k, v)
+    o, sn, *saved = la2_fast_forward(qc, kc, vc, log2_decay.float().contiguous(), initial_state,
                                      save_states=save_states, seg_len=seg_len, **cfg)
     incoming = saved[0][1] if saved else None
     if incoming is None:  # one segment, or not asked: nothing saved, and an op returns a tensor
         incoming = sn.new_empty(0)
-    return o.to(out_dtype), sn, incoming
+    return _like(o, v), sn, incoming
 
 
 @torch.library.custom_op("lightning_edu::la2_forward", mutates_args=())
@@ -117,7 +124,7 @@ def _la2_forward_fake(q, k, v, log2_decay, initial_state=None, block_size=None, 
     _, _, num_seg = launch_plan(q, v, block_size)
     batch, heads, _, d_k = q.shape
     d_v = v.shape[-1]
-    o = v.new_empty(v.shape)
+    o = output_like(v)
     sn = q.new_empty((batch, heads, d_k, d_v), dtype=torch.float32)
     if save_states and num_seg > 1:
         incoming = q.new_empty((batch * heads, num_seg, d_k, d_v), dtype=torch.float32)
@@ -139,13 +146,11 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tenso
     if tuple(incoming.shape) != want:
         raise ValueError(f"incoming must be the forward's saved segment states, shape {want} for these inputs "
                          f"and block_size, got {tuple(incoming.shape)}")
-    dtypes = (q.dtype, k.dtype, v.dtype)
-    q, k, v, do = upcast_for_interpreter(*_contiguous(q, k, v, do))
-    backward = backward_kernel(q.shape[-1], v.shape[-1], q.dtype)
-    dq, dk, dv, ds0 = backward(q, k, v, do, log2_decay.float().contiguous(), initial_state, d_final_state,
+    qc, kc, vc, doc = upcast_for_interpreter(q, k, v, do)
+    backward = backward_kernel(qc.shape[-1], vc.shape[-1], qc.dtype)
+    dq, dk, dv, ds0 = backward(qc, kc, vc, doc, log2_decay.float().contiguous(), initial_state, d_final_state,
                                saved=(seg_len, incoming if num_seg > 1 else None), **cfg)
-    dq, dk, dv = (g.to(dtype) for g, dtype in zip((dq, dk, dv), dtypes))
-    return dq, dk, dv, ds0
+    return _like(dq, q), _like(dk, k), _like(dv, v), ds0
 
 
 @torch.library.custom_op("lightning_edu::la2_backward", mutates_args=())
@@ -160,7 +165,7 @@ def la2_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tensor
 @la2_backward.register_fake
 def _la2_backward_fake(q, k, v, do, log2_decay, initial_state, d_final_state, incoming, block_size=None):
     batch, heads, _, d_k = q.shape
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+    return (output_like(q), output_like(k), output_like(v),
             q.new_empty((batch, heads, d_k, v.shape[-1]), dtype=torch.float32))
 
 
