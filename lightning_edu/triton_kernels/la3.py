@@ -221,7 +221,8 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
         block_dv = min(pad_v, 64)
         _segment_state_kernel[(batch * heads, num_seg - 1, cdiv(d_v, block_dv))](
             q, do, seg, log2_decay, n, heads, seg_len, *_strides(q, do), D_K=d_k, D_V=d_v, PAD_K=pad_k,
-            BLOCK_DV=block_dv, BLOCK=chunk, REVERSE=True, PRECISION=precision, num_warps=4, num_stages=2,
+            BLOCK_DV=block_dv, BLOCK=chunk, REVERSE=True, PRECISION=precision, CONTIGUOUS=True, num_warps=4,
+            num_stages=2,
         )
     programs = batch * heads * num_seg
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
