@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from .api import lightning_attention
 from .torch_chunked import _powers  # lambda^n per head, in float64, rounded once
+from .torch_chunked import first_derivative_only
 from .validation import validate_attention_args, validate_choice, validate_flag, validate_positive_int
 
 __all__ = ["EXCHANGES", "sequence_parallel_attention", "communication_bytes", "run_on_cpu_ranks"]
@@ -227,15 +228,22 @@ class _GatherStates(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        grads = [g.contiguous() for g in grads]
-        mine = torch.empty_like(grads[0])
-        if mine.device.type == "cpu":  # gloo
-            received = [torch.empty_like(g) for g in grads]
-            dist.all_to_all(received, grads, group=ctx.group)
-            mine = torch.stack(received).sum(0)
-        else:
-            dist.reduce_scatter(mine, grads, group=ctx.group)
-        return None, mine
+        # The collectives below are invisible to autograd: under create_graph=True their result goes through a
+        # node that refuses a second derivative, rather than enter the graph as a constant (a term silently lost).
+        return None, first_derivative_only("the all-gather of sequence_parallel_attention", _reduce_scatter,
+                                           ctx.group, *grads)
+
+
+def _reduce_scatter(group, *grads: torch.Tensor) -> torch.Tensor:
+    """This rank's gradient summed over all ranks: _GatherStates' backward."""
+    grads = [g.contiguous() for g in grads]
+    mine = torch.empty_like(grads[0])
+    if mine.device.type == "cpu":  # gloo
+        received = [torch.empty_like(g) for g in grads]
+        dist.all_to_all(received, grads, group=group)
+        return torch.stack(received).sum(0)
+    dist.reduce_scatter(mine, grads, group=group)
+    return mine
 
 
 def _peer(group, rank: int) -> int:
@@ -271,19 +279,28 @@ class _RingExchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_incoming: torch.Tensor, d_final: torch.Tensor):
         incoming, factor = ctx.saved_tensors
-        group, rank, world = ctx.group, ctx.rank, ctx.world
-        d_outgoing = torch.zeros_like(incoming)
-        if ctx.with_final:  # every rank's loss may use the final state: their gradients add up on the last rank
-            d_final = d_final.contiguous().clone()
-            dist.all_reduce(d_final, group=group)
-            if rank == world - 1:
-                d_outgoing = d_final
-        if rank < world - 1:
-            dist.recv(d_outgoing, src=_peer(group, rank + 1), group=group)
-        if rank > 0:
-            dist.send((d_incoming + factor * d_outgoing).contiguous(), dst=_peer(group, rank - 1), group=group)
-        d_factor = (d_outgoing * incoming).sum(dim=(0, 2, 3), keepdim=True)
+        # As _GatherStates: what arrives by recv has no history, so under create_graph=True the ring's backward is
+        # a node that refuses a second derivative.
+        d_outgoing, d_factor = first_derivative_only(
+            "the ring exchange of sequence_parallel_attention", _ring_backward, ctx.group, ctx.rank, ctx.world,
+            ctx.with_final, incoming, factor, d_incoming, d_final)
         return None, None, None, d_outgoing, d_factor, None
+
+
+def _ring_backward(group, rank: int, world: int, with_final: bool, incoming, factor, d_incoming, d_final):
+    """(dL/d carry, dL/d factor) of this rank: _RingExchange's backward, the ring reversed."""
+    d_outgoing = torch.zeros_like(incoming)
+    if with_final:  # every rank's loss may use the final state: their gradients add up on the last rank
+        d_final = d_final.contiguous().clone()
+        dist.all_reduce(d_final, group=group)
+        if rank == world - 1:
+            d_outgoing = d_final
+    if rank < world - 1:
+        dist.recv(d_outgoing, src=_peer(group, rank + 1), group=group)
+    if rank > 0:
+        dist.send((d_incoming + factor * d_outgoing).contiguous(), dst=_peer(group, rank - 1), group=group)
+    d_factor = (d_outgoing * incoming).sum(dim=(0, 2, 3), keepdim=True)
+    return d_outgoing, d_factor
 
 
 class _Join(torch.autograd.Function):

@@ -236,3 +236,34 @@ def test_communication_bytes_by_hand():
                                                      "softmax_allgather_kv": 0}
     with pytest.raises(ValueError, match="world must be a positive integer"):
         communication_bytes(10, 0, 1, 2, 3, 4)
+
+
+def _second_derivatives(rank):
+    """Differentiate twice through each exchange alone. ``x ** 3`` gives the first derivative a history of its own,
+    so without a guard the second derivative would come back (without the exchange's term) instead of failing."""
+    from lightning_edu.distributed import _GatherStates, _RingExchange
+
+    group, out = dist.group.WORLD, {}
+    x = torch.linspace(0.5, 1.5, 6, dtype=torch.float64).view(1, 1, 2, 3).add(rank).requires_grad_()
+    a, b = _GatherStates.apply(group, x)
+    gathered = (a * b).sum() + (x ** 3).sum()
+    incoming, final = _RingExchange.apply(group, rank, 2, x, torch.full((1, 1, 1, 1), 0.5, dtype=torch.float64), True)
+    ring = (incoming ** 2).sum() + (final * x).sum() + (x ** 3).sum()
+    for name, loss in (("all-gather", gathered), ("ring", ring)):
+        g, = torch.autograd.grad(loss, x, create_graph=True)  # the first derivative: collectives on every rank
+        for route in ("backward", "grad"):
+            try:
+                if route == "backward":
+                    g.sum().backward(retain_graph=True)
+                else:
+                    torch.autograd.grad(g.sum(), x, retain_graph=True)
+                out[name, route] = "returned"
+            except RuntimeError as exc:
+                out[name, route] = str(exc)
+    return out
+
+
+def test_second_derivatives_through_the_exchanges_raise_on_every_rank():
+    for rank, out in enumerate(run_on_cpu_ranks(_second_derivatives, 2)):
+        for (exchange, route), message in out.items():
+            assert "has no second derivative" in message, f"rank {rank}, {exchange}, {route}: {message}"
