@@ -52,6 +52,11 @@ def lightning_attention(
     "torch", "triton" or "auto" (numpy for numpy arrays, triton for CUDA tensors, torch otherwise).
     Returns o (batch, heads, n, d_v), or (o, KV_n) with ``return_state=True``.
 
+    Any strides will do. The "triton" backend reads q, k and v where they lie when their head dim is contiguous
+    (a model's views of one projection, ``qkv(x).view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)``, are not copied)
+    and returns o laid out as v (there: (batch, n, heads, d), so that ``o.transpose(1, 2).reshape(b, n, h * d)``
+    is free), each gradient laid out as its input (chapter 07).
+
     A packed batch of sequences of different lengths (chapter 10): q, k, v of shape (1, heads, total, d) hold
     them end to end and ``cu_seqlens`` (a list, numpy array or CPU tensor of num_seqs + 1 integers starting at
     0, never decreasing, ending at total) marks where each starts; initial_state and the returned state are
