@@ -90,10 +90,12 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None) -> tuple[di
 def _like(result: Tensor, x: Tensor) -> Tensor:
     """``result`` in x's dtype and in the layout :func:`~.la2_fast.output_like` gives x (what the fake
     implementations promise): itself when it already is, else copied into a tensor that is."""
-    if result.dtype == x.dtype and result.stride() == x.stride():  # x dense: output_like(x) has x's strides
-        return result
-    want = output_like(x)
-    return result if result.dtype == x.dtype and result.stride() == want.stride() else want.copy_(result)
+    if result.dtype == x.dtype:
+        if result.stride() == x.stride():  # x dense: output_like(x) has x's strides
+            return result
+        if result.stride() == output_like(torch.empty_like(x, device="meta")).stride():  # (no memory allocated)
+            return result
+    return output_like(x).copy_(result)
 
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_state: Tensor | None = None,
