@@ -114,7 +114,8 @@ def _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok,
 
 @triton.jit
 def _forward_sweep(Q, K, V, O, kv, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask, q_scale,
-                   sqn: tl.constexpr, skn: tl.constexpr, svn: tl.constexpr, son: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr,
+                   sqn: tl.constexpr, skn: tl.constexpr, svn: tl.constexpr, son: tl.constexpr,
+                   D_K: tl.constexpr, D_V: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr,
                    PRECISION: tl.constexpr, SAFE: tl.constexpr):
     """Algorithm 1 over positions [start, end) of one head from state ``kv``; returns the final state. Row r of
     Q is at ``Q + r * sqn`` (K, V, O likewise).
@@ -504,7 +505,8 @@ def dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, 
     cfg = (block, block_dv, num_warps, num_stages)
     if saved is not None and saved[1] is not None:
         seg_len, incoming = saved[0], saved[1].transpose(-1, -2).contiguous()  # KV^T at each segment start
-        return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, incoming=incoming, out=output_like(q))[0]
+        return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, incoming=incoming,
+                             out=output_like(q))[0]
     return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, out=output_like(q))[0]
 
 
