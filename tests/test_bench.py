@@ -153,3 +153,60 @@ def test_environment_commit_prefers_the_variable_given_for_a_copied_checkout(mon
     assert git_commit() == "0123456789abcdef"
     monkeypatch.delenv("LIGHTNING_EDU_COMMIT")
     assert git_commit() != "0123456789abcdef"
+
+
+def test_interleaved_rounds_rotate_the_order_and_take_medians():
+    calls = []
+    clock = iter(range(100))  # each call is slower than the one before: a drifting machine
+
+    def method(name):
+        def measure():
+            calls.append(name)
+            t = float(next(clock))
+            return {"fwd_ms": t, "fwd_peak_extra_bytes": 10 * len(calls)}
+        return measure
+
+    def broken():
+        calls.append("broken")
+        raise RuntimeError("out of memory")
+
+    rows = bench.interleaved({"a": method("a"), "b": method("b"), "broken": broken}, rounds=3)
+    # round 0 from a, round 1 from b, round 2 from broken, which is not called again after it failed
+    assert calls == ["a", "b", "broken", "b", "a", "a", "b"]
+    assert rows["a"]["fwd_ms_rounds"] == [0.0, 3.0, 4.0] and rows["a"]["fwd_ms"] == 3.0
+    assert rows["b"]["fwd_ms_rounds"] == [1.0, 2.0, 5.0] and rows["b"]["fwd_ms"] == 2.0
+    assert rows["b"]["fwd_peak_extra_bytes"] == 70  # the largest over the rounds
+    assert rows["broken"] == {"error": "RuntimeError: out of memory"}
+    one = bench.interleaved({"a": method("a")}, rounds=1)["a"]
+    assert set(one) == {"fwd_ms", "fwd_peak_extra_bytes"}  # one round: no list of rounds
+    assert bench.interleaved({}, rounds=2) == {}
+
+
+def test_rounds_must_be_positive():
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", "0"])
+
+
+def test_run_table_interleaves_every_shape_and_skips_past_max_T(monkeypatch):
+    # The loop around the timings, on the CPU: inputs, correctness, bandwidth and the timings themselves faked.
+    order = []
+    methods = {"ours": bench.Method("ours", lambda *a: None), "short": bench.Method("short", lambda *a: None, max_T=64)}
+    monkeypatch.setattr(bench, "METHODS", methods)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(bench, "_correctness", lambda *a: 0.0)
+    monkeypatch.setattr(bench, "_inputs", lambda batch, heads, T, d, dtype: [torch.zeros(batch, heads, T, d)] * 4)
+
+    def measure(make, q, *rest):
+        order.append((next(n for n, m in methods.items() if m.make is make), q.shape[2]))
+        return {"fwd_ms": 1.0, "fwdbwd_ms": 2.0}
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    args = types.SimpleNamespace(D=[16], T=[64, 128], H=2, tokens=128, dtype="fp32", methods=["ours", "short"],
+                                 rounds=2, out=None)
+    data = bench.run_table(args)
+    assert order == [("ours", 64), ("short", 64), ("short", 64), ("ours", 64), ("ours", 128), ("ours", 128)]
+    assert [(r["method"], r["T"], r["batch"]) for r in data["results"]] == [("ours", 64, 2), ("short", 64, 2),
+                                                                             ("ours", 128, 1)]
+    assert data["rounds"] == 2 and data["results"][0]["fwd_ms_rounds"] == [1.0, 1.0]
+    assert data["results"][0]["fwd_tokens_per_s"] == 128 / 1e-3

@@ -5,7 +5,9 @@
     python -m lightning_edu.perf.bench --tiny --out tiny.json             # a tiny call's wall time, host included
 
 For every sequence length T and head dim D (H heads, bf16, T * batch = 32K tokens per call) and every
-method, it reports the forward and forward+backward time (median of ``triton.testing.do_bench``), tokens/s,
+method, it reports the forward and forward+backward time (median of ``triton.testing.do_bench``; with
+``--rounds R``, the median over R interleaved rounds, each round timing every method once in a rotated order,
+so that a slow stretch of the host or a warming GPU lands on every method alike), tokens/s,
 peak extra memory and the fraction of the HBM floor: the bytes that must move (q, k, v in and o out for the
 forward; q, k, v, do in and dq, dk, dv out for the backward) over the device-to-device copy bandwidth
 measured in the same run. It refuses to time under Triton's CPU interpreter: those numbers would mean nothing.
@@ -34,7 +36,7 @@ from .. import registry
 from .environment import environment_record
 
 __all__ = ["hbm_floor_bytes", "head_decays", "Method", "METHODS", "RECORDED_NAMES", "registry_methods", "method_name",
-           "with_current_names", "main"]
+           "with_current_names", "interleaved", "main"]
 
 
 def hbm_floor_bytes(batch: int, T: int, heads: int, d: int, elem_bytes: int = 2, backward: bool = False) -> int:
@@ -322,6 +324,43 @@ def _measure(make, q, k, v, decay, do, do_fwd=True, do_bwd=True):
     return row
 
 
+def interleaved(measures: dict, rounds: int) -> dict:
+    """{name: row} from ``measures`` ({name: a function returning a row of timings}) called ``rounds`` times each,
+    in rounds: round r calls every method once, starting at the r-th (rotated), so no method always runs first
+    or right after another. Each row holds the median of every ``*_ms`` over the rounds, the rounds' values in
+    ``*_ms_rounds``, and the largest of every other number (the peak memory); a method that raises keeps its
+    first error and is not called again."""
+    names = list(measures)
+    if not names:
+        return {}
+    runs: dict = {name: [] for name in names}
+    errors: dict = {}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            if name in errors:
+                continue
+            try:
+                runs[name].append(measures[name]())
+            except Exception as exc:
+                errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+    out = {}
+    for name in names:
+        if name in errors:
+            out[name] = {"error": errors[name]}
+            continue
+        row = {}
+        for key in runs[name][0]:
+            values = [run[key] for run in runs[name]]
+            if key.endswith("_ms"):
+                row[key] = float(np.median(values))
+                if rounds > 1:
+                    row[key + "_rounds"] = values
+            else:
+                row[key] = max(values)
+        out[name] = row
+    return out
+
+
 def run_table(args) -> dict:
     import torch
 
@@ -339,36 +378,33 @@ def run_table(args) -> dict:
             errors[name] = f"{type(exc).__name__}: {exc}"[:300]
             available.pop(name, None)
     data["unavailable"] = errors
+    data["rounds"] = args.rounds
     results = []
-    jobs = [(T, d, name) for d in args.D for T in args.T for name in available]
-    for T, d, name in (bar := tqdm(jobs, desc="bench", unit="row")):
-        bar.set_postfix_str(f"{name} T={T} D={d}")
+    for d, T in (bar := tqdm([(d, T) for d in args.D for T in args.T], desc="bench", unit="shape")):
+        bar.set_postfix_str(f"T={T} D={d}")
         batch = max(1, args.tokens // T)
-        if available[name].max_T is not None and T > available[name].max_T:
-            continue
         q, k, v, do = _inputs(batch, args.H, T, d, dtype)
         decay = head_decays(args.H)
-        row = {"method": name, "T": T, "D": d, "batch": batch, "heads": args.H, "dtype": args.dtype}
-        try:
-            row.update(_measure(available[name].make, q, k, v, decay, do))
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        names = [name for name in available if available[name].max_T is None or T <= available[name].max_T]
+        measures = {name: (lambda m=available[name]: _measure(m.make, q, k, v, decay, do)) for name in names}
         tokens = batch * T
         fwd_floor = hbm_floor_bytes(batch, T, args.H, d, q.element_size()) / bw * 1e3
         bwd_floor = hbm_floor_bytes(batch, T, args.H, d, q.element_size(), backward=True) / bw * 1e3
-        row["input_bytes"] = 3 * q.numel() * q.element_size()
-        if "fwd_ms" in row:
-            row["fwd_floor_frac"] = fwd_floor / row["fwd_ms"]
-            row["fwd_tokens_per_s"] = tokens / (row["fwd_ms"] * 1e-3)
-        if "fwdbwd_ms" in row:
-            row["fwdbwd_floor_frac"] = (fwd_floor + bwd_floor) / row["fwdbwd_ms"]
-            row["fwdbwd_tokens_per_s"] = tokens / (row["fwdbwd_ms"] * 1e-3)
-        results.append(row)
+        for name, measured in interleaved(measures, args.rounds).items():
+            row = {"method": name, "T": T, "D": d, "batch": batch, "heads": args.H, "dtype": args.dtype, **measured}
+            row["input_bytes"] = 3 * q.numel() * q.element_size()
+            if "fwd_ms" in row:
+                row["fwd_floor_frac"] = fwd_floor / row["fwd_ms"]
+                row["fwd_tokens_per_s"] = tokens / (row["fwd_ms"] * 1e-3)
+            if "fwdbwd_ms" in row:
+                row["fwdbwd_floor_frac"] = (fwd_floor + bwd_floor) / row["fwdbwd_ms"]
+                row["fwdbwd_tokens_per_s"] = tokens / (row["fwdbwd_ms"] * 1e-3)
+            results.append(row)
         data["results"] = results
-        if args.out:  # written after every row: a run cut short still leaves what it measured
+        if args.out:  # written after every shape: a run cut short still leaves what it measured
             with open(args.out, "w") as f:
                 json.dump(data, f, indent=1)
-        del q, k, v, do
+        del q, k, v, do, measures
         torch.cuda.empty_cache()
     data["results"] = results
     return data
@@ -475,6 +511,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                         help=f"any of: {' '.join(METHODS)} (or a recorded file's name: {' '.join(RECORDED_NAMES)})")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="interleaved rounds per shape: every method timed once per round, in a rotated order")
     parser.add_argument("--tune", action="store_true", help="sweep la2_fast tile sizes instead")
     parser.add_argument("--tiny", action="store_true",
                         help="wall time of a 1 x 4 x 256 forward+backward, host included, instead")
@@ -484,6 +522,8 @@ def main(argv=None) -> int:
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         parser.error(f"unknown method(s) {' '.join(unknown)}; choose from {' '.join(METHODS)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     _refuse_without_gpu()
     start = time.time()
     data = run_tune(args) if args.tune else run_tiny(args) if args.tiny else run_table(args)
