@@ -131,6 +131,9 @@ def test_launchers_read_any_layout(device, variant, layout):
     assert torch.equal(o, want_o) and torch.equal(sn, want_sn), f"{variant} forward on a {layout} layout"
     for got, want, name in zip(grads, want_grads, ("dq", "dk", "dv", "ds0")):
         assert torch.equal(got, want), f"{variant} backward's {name} on a {layout} layout"
+    if variant != "la2_literal":  # the backend's kernels: outputs laid out as their inputs, as the fakes promise
+        for got, x, name in zip((o, *grads[:3]), (vs, qs, ks, vs), ("o", "dq", "dk", "dv")):
+            assert got.stride() == output_like(x).stride(), f"{variant}: {name} not laid out as its input ({layout})"
 
 
 @on()

@@ -146,9 +146,13 @@ def head_start(bh, rows, width):
 
 
 @triton.jit
-def head_offset(bh, H, stride_b, stride_h):
+def head_offset(bh, H, rows, width, stride_b, stride_h, CONTIGUOUS: tl.constexpr):
     """Offset of (batch*head) ``bh``'s first element, batch ``bh // H`` and head ``bh % H``, in a (batch, heads,
-    rows, width) tensor with batch stride ``stride_b`` and head stride ``stride_h``, in 64 bits."""
+    rows, width) tensor with batch stride ``stride_b`` and head stride ``stride_h``, in 64 bits. With CONTIGUOUS
+    (the tensor is), the same offset as :func:`head_start` computes it: on an H100 the reversed passes of la2_fast
+    ran 11 % slower with the offset computed from the strides (see ``_la2_fast_forward_kernel``)."""
+    if CONTIGUOUS:
+        return head_start(bh, rows, width)
     bh = tl.cast(bh, tl.int64)  # bh may be a loop index: a Python int in the interpreter
     return (bh // H) * stride_b + (bh % H) * stride_h
 

@@ -39,7 +39,7 @@ from ._tiles import (
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments", "dq_pass", "finish_backward", "in_place",
-           "output_like"]
+           "output_like", "in_layout_of"]
 
 
 @triton.jit
@@ -67,12 +67,8 @@ def _segment_state_kernel(
     pid_v = tl.program_id(2)
     num_seg = tl.num_programs(1) + 1
     log2_lam = tl.load(LOG2_DECAY + bh % H)
-    if CONTIGUOUS:  # the same offsets, computed as before strides (faster: see _la2_fast_forward_kernel)
-        K += head_start(bh, n, D_K)
-        V += head_start(bh, n, D_V)
-    else:
-        K += head_offset(bh, H, skb, skh)
-        V += head_offset(bh, H, svb, svh)
+    K += head_offset(bh, H, n, D_K, skb, skh, CONTIGUOUS)
+    V += head_offset(bh, H, n, D_V, svb, svh, CONTIGUOUS)
     SEG += head_start(bh, num_seg, D_K * D_V)
     offs_r = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, PAD_K)
@@ -153,16 +149,10 @@ def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh
                      STORE_SN: tl.constexpr, SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr,
                      PRECISION: tl.constexpr, SAFE: tl.constexpr, CONTIGUOUS: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
-    if CONTIGUOUS:  # (batch*heads, n, d) tensors: the same offsets, computed as the contiguous kernels do (faster)
-        Q += head_start(bh, n, D_K)
-        K += head_start(bh, n, D_K)
-        V += head_start(bh, n, D_V)
-        O += head_start(bh, n, D_V)
-    else:
-        Q += head_offset(bh, H, sqb, sqh)
-        K += head_offset(bh, H, skb, skh)
-        V += head_offset(bh, H, svb, svh)
-        O += head_offset(bh, H, sob, soh)
+    Q += head_offset(bh, H, n, D_K, sqb, sqh, CONTIGUOUS)
+    K += head_offset(bh, H, n, D_K, skb, skh, CONTIGUOUS)
+    V += head_offset(bh, H, n, D_V, svb, svh, CONTIGUOUS)
+    O += head_offset(bh, H, n, D_V, sob, soh, CONTIGUOUS)
     S0 += head_start(bh, 1, D_K * D_V)
     SN += head_start(bh, 1, D_K * D_V)
     SEG += head_start(bh, num_seg, D_K * D_V)
@@ -373,6 +363,15 @@ def output_like(x):
     return y if _addressable(y) else torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def in_layout_of(result, like):
+    """``result``, a kernel's output laid out contiguously, in the layout :func:`output_like` gives ``like``:
+    itself when that is contiguous too, else copied (for the kernels that address contiguous heads only)."""
+    if like.is_contiguous():
+        return result
+    out = output_like(like)
+    return result if out.stride() == result.stride() else out.copy_(result)
+
+
 def _strides(*xs):
     """Batch, head and row strides of each (batch, heads, n, d) tensor, in order: the kernels' ``s..b, s..h, s..n``."""
     return tuple(stride for x in xs for stride in x.stride()[:3])
@@ -538,6 +537,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
                 dkdv_stages):
     import torch
 
+    like = (k, v)  # dk, dv are returned laid out as k, v (output_like), as la2_fast's other passes return them
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))  # this kernel addresses contiguous heads (head_start)
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
@@ -567,4 +567,4 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     _la2_fast_dkdv_kernel[(batch * heads, num_seg)](*args, **meta, STORE_XN=True)  # fast pass, flags as the forward
     safe_grid, scan = exact_pass_grid(programs, q.device)
     _la2_fast_dkdv_kernel[safe_grid](*args, **meta, STORE_XN=False, SAFE=True, SCAN=scan)
-    return dk, dv, x_end
+    return in_layout_of(dk, like[0]), in_layout_of(dv, like[1]), x_end

@@ -36,7 +36,9 @@ from ._tiles import (
     apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
     flagged_range, head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
-from .la2_fast import _incoming_state, _segment_state_kernel, _strides, choose_segments, dq_pass, finish_backward
+from .la2_fast import (
+    _incoming_state, _segment_state_kernel, _strides, choose_segments, dq_pass, finish_backward, in_layout_of,
+)
 
 __all__ = ["la3_backward", "la3_dkdv", "la3_tiles", "MAX_HEAD_DIM"]
 
@@ -198,6 +200,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     if chunk % micro:
         raise ValueError(f"chunk must be a multiple of micro, got chunk = {chunk}, micro = {micro}")
+    like = (k, v)  # dk, dv are returned laid out as k, v (output_like), as la2_fast's passes return theirs
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))  # the micro-chunk kernel addresses contiguous heads
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
@@ -232,7 +235,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     _la3_dkdv_kernel[(batch * heads, num_seg)](*args, **meta, STORE_XN=True)
     safe_grid, scan = exact_pass_grid(programs, q.device)
     _la3_dkdv_kernel[safe_grid](*args, **meta, STORE_XN=False, SAFE=True, SCAN=scan)
-    return dk, dv, x_end
+    return in_layout_of(dk, like[0]), in_layout_of(dv, like[1]), x_end
 
 
 def la3_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None, block: int = 64,

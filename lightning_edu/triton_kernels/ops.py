@@ -87,30 +87,21 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None) -> tuple[di
     return cfg, seg_len, num_seg
 
 
-def _like(result: Tensor, x: Tensor) -> Tensor:
-    """``result`` in x's dtype and in the layout :func:`~.la2_fast.output_like` gives x (what the fake
-    implementations promise): itself when it already is, else copied into a tensor that is."""
-    if result.dtype == x.dtype:
-        if result.stride() == x.stride():  # x dense: output_like(x) has x's strides
-            return result
-        if result.stride() == output_like(torch.empty_like(x, device="meta")).stride():  # (no memory allocated)
-            return result
-    return output_like(x).copy_(result)
-
-
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_state: Tensor | None = None,
                  block_size: int | None = None, save_states: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """What ``lightning_edu::la2_forward`` runs (and :class:`EagerLA2`'s forward): (o in v's dtype, final_state
     fp32, incoming), la2_fast's forward, its segment states saved when ``save_states``."""
     cfg, seg_len, num_seg = launch_plan(q, v, block_size)
-    # read where they lie (la2_fast.in_place): a strided view of a projection is not copied
+    # read where they lie (la2_fast.in_place): a strided view of a projection is not copied. The launchers return
+    # o and the gradients laid out as output_like gives their inputs (what the fakes promise); upcast copies keep
+    # their inputs' dimension order, and .to() keeps the layout.
     qc, kc, vc = upcast_for_interpreter(q, k, v)
     o, sn, *saved = la2_fast_forward(qc, kc, vc, log2_decay.float().contiguous(), initial_state,
                                      save_states=save_states, seg_len=seg_len, **cfg)
     incoming = saved[0][1] if saved else None
     if incoming is None:  # one segment, or not asked: nothing saved, and an op returns a tensor
         incoming = sn.new_empty(0)
-    return _like(o, v), sn, incoming
+    return o.to(v.dtype), sn, incoming
 
 
 @torch.library.custom_op("lightning_edu::la2_forward", mutates_args=())
@@ -152,7 +143,7 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tenso
     backward = backward_kernel(qc.shape[-1], vc.shape[-1], qc.dtype)
     dq, dk, dv, ds0 = backward(qc, kc, vc, doc, log2_decay.float().contiguous(), initial_state, d_final_state,
                                saved=(seg_len, incoming if num_seg > 1 else None), **cfg)
-    return _like(dq, q), _like(dk, k), _like(dv, v), ds0
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds0
 
 
 @torch.library.custom_op("lightning_edu::la2_backward", mutates_args=())
