@@ -81,9 +81,11 @@ PRESETS = {
 """Experiment sizes. "cpu" runs on a laptop's CPU: the language model in about a minute on two cores, MQAR in
 about 70 s (ten runs of 5-8 s), softmax recalling at 0.99 or more at 4 and 8 pairs (seeds 0 to 3 tried). "gpu" is
 the recorded run (chapter 13; an H100, bf16 autocast). Its MQAR (sequences of 128, vocabulary 65, width 128, two
-layers of two heads, 500 steps of 512) took 3.5 min on an H100 for its 20 runs, Triton's compilation included:
-8-19 s a run, about 17 ms a step (8 to 24 pairs: softmax 1.000 at each; lightning 0.46, 0.35, 0.70, 0.04;
-learned ReLU^2 0.13-0.19; elu+1 and the hybrid at 1/pairs).
+layers of two heads, 500 steps of 512) ran 19 of its 20 runs on an H100 within ``--budget 200`` (the hybrid at 24
+pairs was left out), 9-13 s a run, Triton's compilation included (notebooks/data/quality_mqar_h100.json; 8, 12,
+16, 24 pairs: softmax 1.000 at each; lightning 0.70, 0.21, 0.06, 0.04; learned ReLU^2 0.12, 0.48, 0.22, 0.07;
+elu+1 and the hybrid at about 1/pairs). An earlier run of the same preset gave lightning 0.46 at 8 pairs and
+ReLU^2 0.19 at 12: the middle of the table is one seed at the edge of a plateau (chapter 13).
 
 Why the MQAR recipe is what it is. A model first learns to answer with *some* value of its sequence (accuracy
 1/pairs, loss log(pairs): a plateau) and only later, suddenly, with the right one; whether and when it turns
