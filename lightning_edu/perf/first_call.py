@@ -4,8 +4,12 @@
 
 Each configuration runs in a fresh Python process with an empty Triton cache directory, so the figure is
 what a new user's first call costs: forward + backward on (1, 4, 1024, d) inputs, wall time from the call
-to its gradients, then the second call's wall time for comparison. One JSON record with the machine,
-versions and commit.
+to its gradients, then the second call's wall time for comparison. Each configuration runs twice: as the
+backend runs by default ("ahead": the first call compiles its kernels side by side,
+:func:`lightning_edu.triton_kernels._tiles.compile_ahead`) and with ``ops.COMPILE_AHEAD = False`` ("lazy":
+each kernel compiles at its first launch, one after another). Each row also counts the kernels compiled
+(``compiled``) and how many of them were compiled at a launch rather than ahead (``at_launch``; 0 when the
+ahead pass foresaw every kernel). One JSON record with the machine, versions and commit.
 """
 
 from __future__ import annotations
@@ -20,12 +24,18 @@ import time
 __all__ = ["CONFIGS", "main"]
 
 CONFIGS = [(dtype, d) for dtype in ("bfloat16", "float16", "float32") for d in (64, 128)]
+MODES = ("ahead", "lazy")
 
 _CHILD = r"""
 import json, sys, time
 import torch
+import triton
 import lightning_edu as le
-dtype, d = getattr(torch, sys.argv[1]), int(sys.argv[2])
+from lightning_edu.triton_kernels import ops
+dtype, d, mode = getattr(torch, sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+ops.COMPILE_AHEAD = mode == "ahead"
+compiled = []  # one flag per kernel compiled: whether it was compiled at a launch (not by a warm-up)
+triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(not kw["is_manual_warmup"])
 x = [torch.randn(1, 4, 1024, d, device="cuda").to(dtype).requires_grad_() for _ in range(3)]
 do = torch.randn(1, 4, 1024, d, device="cuda").to(dtype)
 times = []
@@ -35,7 +45,7 @@ for _ in range(2):
     le.lightning_attention(*x, [0.99] * 4).backward(do)
     torch.cuda.synchronize()
     times.append(time.perf_counter() - start)
-print(json.dumps({"first_s": times[0], "second_s": times[1]}))
+print(json.dumps({"first_s": times[0], "second_s": times[1], "compiled": len(compiled), "at_launch": sum(compiled)}))
 """
 
 
@@ -47,13 +57,13 @@ def main(argv=None) -> int:
         print(__doc__)
         return 2
     record = {**environment_record("python -m lightning_edu.perf.first_call " + " ".join(argv)), "results": []}
-    for dtype, d in CONFIGS:
+    for (dtype, d), mode in ((config, mode) for config in CONFIGS for mode in MODES):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TRITON_CACHE_DIR": cache}
             start = time.perf_counter()
-            run = subprocess.run([sys.executable, "-c", _CHILD, dtype, str(d)], env=env, capture_output=True,
+            run = subprocess.run([sys.executable, "-c", _CHILD, dtype, str(d), mode], env=env, capture_output=True,
                                  text=True, timeout=600)
-            row = {"dtype": dtype, "d": d, "process_s": time.perf_counter() - start}
+            row = {"dtype": dtype, "d": d, "mode": mode, "process_s": time.perf_counter() - start}
             if run.returncode == 0:
                 row.update(json.loads(run.stdout.strip().splitlines()[-1]))
             else:

@@ -59,6 +59,7 @@ How the kernels are written (every kernel of this package, so that one reads lik
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 
@@ -67,10 +68,49 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
+    "launch", "compile_ahead", "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
     "head_start", "head_offset", "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
     "clear_flag", "flag_nonfinite",
 ]
+
+
+_AHEAD = contextvars.ContextVar("lightning_edu_compile_ahead", default=False)
+
+
+def launch(kernel, grid):
+    """``kernel[grid]``, the launch; inside :func:`compile_ahead`, a warm-up instead: the kernel is compiled for
+    these arguments (handed to a compiler thread) and nothing runs. The backend's launchers launch through this."""
+    if _AHEAD.get():
+        return functools.partial(kernel.warmup, grid=grid)
+    return kernel[grid]
+
+
+def compile_ahead(run, *args, workers: int | None = None, **kwargs) -> bool:
+    """Call ``run(*args, **kwargs)`` (host code that launches kernels through :func:`launch`) without launching
+    anything, compiling every kernel it would launch, in parallel threads; return once all are compiled.
+
+    Why. Triton compiles a kernel the first time it is launched with new compile-time constants, and a launcher
+    waits for each compilation before the next launch: the first forward + backward of the backend compiles
+    eight or more kernels one after another. Here they compile side by side (Triton's ``AsyncCompileMode``, a
+    thread pool of ``workers``, default one per CPU core up to 16): most of a compilation runs in C++ (MLIR
+    passes) and in ``ptxas``, outside Python's global lock. The tensors ``run`` allocates are real but never
+    written by a kernel; torch operations between launches run on them as usual. A later real call finds every
+    kernel compiled. Returns False, having done nothing, when this Triton has no ``AsyncCompileMode``.
+    """
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # an older Triton: kernels compile at their first launch, one by one
+        return False
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers = workers or min(16, os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool):
+        token = _AHEAD.set(True)
+        try:
+            run(*args, **kwargs)
+        finally:
+            _AHEAD.reset(token)
+    return True
 
 
 def cdiv(a: int, b: int) -> int:

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ._tiles import (
     apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    flagged_range, head_offset, head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
+    flagged_range, head_offset, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments", "dq_pass", "finish_backward", "in_place",
@@ -427,7 +427,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     if seg is None:
         seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
         if num_seg > 1:
-            _segment_state_kernel[(batch * heads, num_seg - 1, slices)](
+            launch(_segment_state_kernel, (batch * heads, num_seg - 1, slices))(
                 k, v, seg, log2_decay, n, heads, seg_len, *_strides(k, v), **meta,
                 CONTIGUOUS=k.is_contiguous() and v.is_contiguous(), num_warps=num_warps,
                 num_stages=num_stages,
@@ -443,9 +443,10 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     meta.update(HAS_S0=initial_state is not None, SEG_IS_INCOMING=incoming is not None, num_warps=num_warps,
                 num_stages=num_stages, CONTIGUOUS=all(x.is_contiguous() for x in (q, k, v, o)))
     # The fast pass flags programs whose state ended non-finite; the exact pass redoes only those (_tiles).
-    _la2_fast_forward_kernel[grid](*args, **meta, STORE_SN=True, STORE_INC=store_incoming)
+    launch(_la2_fast_forward_kernel, grid)(*args, **meta, STORE_SN=True, STORE_INC=store_incoming)
     safe_grid, scan = exact_pass_grid(programs, q.device)
-    _la2_fast_forward_kernel[safe_grid](*args, **meta, STORE_SN=False, STORE_INC=False, SAFE=True, SCAN=scan)
+    launch(_la2_fast_forward_kernel, safe_grid)(*args, **meta, STORE_SN=False, STORE_INC=False, SAFE=True,
+                                                SCAN=scan)
     aux = {"seg_len": seg_len, "local": None if incoming is not None else seg, "incoming": inc if store_incoming else None}
     return o, sn, aux
 
@@ -553,7 +554,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     pad_k, pad_v = pad_dim(d_k), pad_dim(d_v)
     if num_seg > 1:
         block_dv_seg = min(pad_v, block_dv or 64)
-        _segment_state_kernel[(batch * heads, num_seg - 1, cdiv(d_v, block_dv_seg))](
+        launch(_segment_state_kernel, (batch * heads, num_seg - 1, cdiv(d_v, block_dv_seg)))(
             q, do, seg, log2_decay, n, heads, seg_len_, *_strides(q, do), D_K=d_k, D_V=d_v, PAD_K=pad_k,
             BLOCK_DV=block_dv_seg,
             BLOCK=block, REVERSE=True, PRECISION=dot_precision(q), CONTIGUOUS=True, num_warps=num_warps,
@@ -564,7 +565,8 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     args = (q, k, v, do, dk, dv, x_end, seg, flags, log2_decay, n, heads, seg_len_, programs)
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, PAD_V=pad_v, BLOCK=block, PRECISION=dot_precision(q),
                 num_warps=dkdv_warps, num_stages=dkdv_stages)
-    _la2_fast_dkdv_kernel[(batch * heads, num_seg)](*args, **meta, STORE_XN=True)  # fast pass, flags as the forward
+    # fast pass, flags as the forward
+    launch(_la2_fast_dkdv_kernel, (batch * heads, num_seg))(*args, **meta, STORE_XN=True)
     safe_grid, scan = exact_pass_grid(programs, q.device)
-    _la2_fast_dkdv_kernel[safe_grid](*args, **meta, STORE_XN=False, SAFE=True, SCAN=scan)
+    launch(_la2_fast_dkdv_kernel, safe_grid)(*args, **meta, STORE_XN=False, SAFE=True, SCAN=scan)
     return in_layout_of(dk, like[0]), in_layout_of(dv, like[1]), x_end

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ._tiles import (
     apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    flagged_range, head_start, pad_dim, poison, refuse_interpreted_bf16, sm_count,
+    flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 from .la2_fast import (
     _incoming_state, _segment_state_kernel, _strides, choose_segments, dq_pass, finish_backward, in_layout_of,
@@ -222,7 +222,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     precision = dot_precision(q)
     if num_seg > 1:  # each later-processed segment's local state sum lambda^(end-1-p) q_p^T do_p
         block_dv = min(pad_v, 64)
-        _segment_state_kernel[(batch * heads, num_seg - 1, cdiv(d_v, block_dv))](
+        launch(_segment_state_kernel, (batch * heads, num_seg - 1, cdiv(d_v, block_dv)))(
             q, do, seg, log2_decay, n, heads, seg_len, *_strides(q, do), D_K=d_k, D_V=d_v, PAD_K=pad_k,
             BLOCK_DV=block_dv, BLOCK=chunk, REVERSE=True, PRECISION=precision, CONTIGUOUS=True, num_warps=4,
             num_stages=2,
@@ -232,9 +232,9 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     args = (q, k, v, do, dk, dv, x_end, seg, flags, log2_decay, n, heads, seg_len, programs)
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, PAD_V=pad_v, CHUNK=chunk, MICRO=micro, PRECISION=precision,
                 num_warps=num_warps, num_stages=num_stages)
-    _la3_dkdv_kernel[(batch * heads, num_seg)](*args, **meta, STORE_XN=True)
+    launch(_la3_dkdv_kernel, (batch * heads, num_seg))(*args, **meta, STORE_XN=True)
     safe_grid, scan = exact_pass_grid(programs, q.device)
-    _la3_dkdv_kernel[safe_grid](*args, **meta, STORE_XN=False, SAFE=True, SCAN=scan)
+    launch(_la3_dkdv_kernel, safe_grid)(*args, **meta, STORE_XN=False, SAFE=True, SCAN=scan)
     return in_layout_of(dk, like[0]), in_layout_of(dv, like[1]), x_end
 
 

@@ -51,11 +51,17 @@ import torch
 from torch import Tensor
 
 from ..torch_chunked import decay_gradient, first_derivative_only
-from ._tiles import cdiv, interpreted, pad_dim, sm_count, upcast_for_interpreter
+from ._tiles import cdiv, compile_ahead, interpreted, pad_dim, sm_count, upcast_for_interpreter
 from .la2_fast import choose_segments, la2_fast_forward, output_like
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
-           "compute_dtype"]
+           "compute_dtype", "COMPILE_AHEAD", "ahead_key"]
+
+COMPILE_AHEAD = True
+"""Whether the first call of a configuration on a GPU compiles its kernels side by side first (:func:`_first_call`).
+Set it to False to let Triton compile each kernel at its first launch, one after another."""
+
+_COMPILED: set = set()  # ahead_key of every configuration compiled ahead in this process
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -87,11 +93,45 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None) -> tuple[di
     return cfg, seg_len, num_seg
 
 
+def ahead_key(q: Tensor, k: Tensor, v: Tensor, initial_state: Tensor | None, block_size: int | None,
+              save_states: bool, num_segments: int) -> tuple:
+    """What decides which kernels a call compiles, roughly: device, dtypes, head dims, layouts (row strides and
+    contiguity are compile-time constants), an initial state, the tiles, whether a backward may follow, and
+    whether the sequence is one segment and a multiple of 16 long (Triton specialises integer arguments on
+    that). A call whose key was seen compiles nothing ahead; one that still meets a new kernel (another
+    divisibility of a stride, say) compiles it at its launch, as Triton does by default."""
+    n = q.shape[-2]
+    return (q.device, q.dtype, k.dtype, v.dtype, q.shape[-1], v.shape[-1],
+            tuple((x.stride(-2), x.is_contiguous()) for x in (q, k, v)), initial_state is not None, block_size,
+            save_states, n % 16 == 0, num_segments > 1)
+
+
+def _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_segments) -> None:
+    """On a configuration's first call on a GPU, compile the kernels of its forward, and of its backward when
+    one may follow (``save_states``), side by side (:func:`~._tiles.compile_ahead`): the launchers run once on
+    these tensors without launching. Measured on an H100 (``python -m lightning_edu.perf.first_call``; chapter 07)."""
+    key = ahead_key(q, k, v, initial_state, block_size, save_states, num_segments)
+    if key in _COMPILED:
+        return
+    _COMPILED.add(key)
+
+    def launchers():
+        o, _, incoming = forward_impl(q, k, v, log2_decay, initial_state, block_size, save_states, ahead=False)
+        if save_states:
+            backward_impl(q, k, v, output_like(o), log2_decay, initial_state, None, incoming, block_size)
+
+    compile_ahead(launchers)
+
+
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_state: Tensor | None = None,
-                 block_size: int | None = None, save_states: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+                 block_size: int | None = None, save_states: bool = True,
+                 ahead: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """What ``lightning_edu::la2_forward`` runs (and :class:`EagerLA2`'s forward): (o in v's dtype, final_state
-    fp32, incoming), la2_fast's forward, its segment states saved when ``save_states``."""
+    fp32, incoming), la2_fast's forward, its segment states saved when ``save_states``. With ``ahead`` (and
+    :data:`COMPILE_AHEAD`), a configuration's first call on a GPU compiles its kernels side by side first."""
     cfg, seg_len, num_seg = launch_plan(q, v, block_size)
+    if ahead and COMPILE_AHEAD and q.is_cuda and not interpreted(q) and not torch.cuda.is_current_stream_capturing():
+        _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_seg)
     # read where they lie (la2_fast.in_place): a strided view of a projection is not copied. The launchers return
     # o and the gradients laid out as output_like gives their inputs (what the fakes promise); upcast copies keep
     # their inputs' dimension order, and .to() keeps the layout.

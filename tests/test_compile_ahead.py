@@ -1,0 +1,92 @@
+"""The first call compiles side by side: ``_tiles.launch`` turns into a warm-up inside ``_tiles.compile_ahead``, and
+on a GPU a configuration's first call compiles every kernel its forward and backward launch before launching
+any (Triton's post-compile hook tells a kernel compiled by a warm-up from one compiled at a launch)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from kernel_cases import marks
+
+from lightning_edu.perf import first_call
+from lightning_edu.triton_kernels import _tiles, ops
+
+
+class _Kernel:
+    """Stands in for a ``@triton.jit`` function: records launches and warm-ups."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.calls.append(("launch", grid, args, meta))
+
+    def warmup(self, *args, grid, **meta):
+        self.calls.append(("warmup", grid, args, meta))
+
+
+def test_launch_launches_outside_compile_ahead():
+    kernel = _Kernel()
+    _tiles.launch(kernel, (3, 2))(1, 2, BLOCK=64)
+    assert kernel.calls == [("launch", (3, 2), (1, 2), {"BLOCK": 64})]
+
+
+def test_compile_ahead_turns_every_launch_into_a_warm_up_and_restores_launching():
+    kernel = _Kernel()
+
+    def launcher(x, block):
+        _tiles.launch(kernel, (x,))(x, BLOCK=block)
+        _tiles.launch(kernel, (1,))(x, BLOCK=block, SAFE=True)
+        return "ran"
+
+    assert _tiles.compile_ahead(launcher, 5, block=32) is True
+    assert kernel.calls == [("warmup", (5,), (5,), {"BLOCK": 32}), ("warmup", (1,), (5,), {"BLOCK": 32, "SAFE": True})]
+    _tiles.launch(kernel, (2,))(2)
+    assert kernel.calls[-1][0] == "launch"
+
+
+def test_compile_ahead_restores_launching_when_the_launcher_raises():
+    def broken():
+        raise RuntimeError("bad launcher")
+
+    with pytest.raises(RuntimeError, match="bad launcher"):
+        _tiles.compile_ahead(broken)
+    kernel = _Kernel()
+    _tiles.launch(kernel, (1,))()
+    assert kernel.calls[0][0] == "launch"
+
+
+def test_the_key_separates_what_changes_the_compiled_kernels():
+    q = torch.zeros(1, 2, 64, 16)
+    key = ops.ahead_key(q, q, q, None, None, True, 2)
+    assert key == ops.ahead_key(q.clone(), q, q, None, None, True, 2)
+    strided = torch.zeros(1, 64, 2, 16).transpose(1, 2)  # rows 32 elements apart, as a view of a projection
+    others = [ops.ahead_key(strided, q, q, None, None, True, 2), ops.ahead_key(q.half(), q, q, None, None, True, 2),
+              ops.ahead_key(q, q, q, torch.zeros(1, 2, 16, 16), None, True, 2),
+              ops.ahead_key(q, q, q, None, None, False, 2), ops.ahead_key(q, q, q, None, None, True, 1),
+              ops.ahead_key(q[:, :, :50], q[:, :, :50], q[:, :, :50], None, None, True, 2)]
+    assert all(other != key for other in others)
+
+
+def test_the_interpreter_compiles_nothing_ahead(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("compile_ahead ran on the CPU")
+
+    monkeypatch.setattr(ops, "compile_ahead", refuse)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    o, _, _ = ops.forward_impl(q, k, v, torch.full((2,), -0.1))
+    assert o.shape == v.shape
+
+
+@pytest.mark.parametrize("dtype,d", [pytest.param(t, d, marks=marks("cuda")) for t, d in
+                                     (("bfloat16", 64), ("bfloat16", 128), ("float32", 64))])
+def test_a_first_call_compiles_every_kernel_ahead(dtype, d, tmp_path):
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", first_call._CHILD, dtype, str(d), "ahead"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    row = json.loads(run.stdout.strip().splitlines()[-1])
+    assert row["compiled"] >= 6 and row["at_launch"] == 0, row
