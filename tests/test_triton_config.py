@@ -24,7 +24,7 @@ def test_16_bit_tiles_are_the_swept_ones(dtype, d, block, block_dv):
 def test_fp32_tiles_halve_the_rows_above_d_64(d, block, block_dv):
     cfg = kernel_config(d, d, torch.float32)
     assert (cfg["block"], cfg["block_dv"]) == (block, block_dv)
-    assert cfg["num_warps"] == 8  # tf32x3 dots spill registers with 4 warps
+    assert cfg["num_warps"] == 8  # exact fp32 dots spill registers with 4 warps
 
 
 def test_the_wider_head_dim_decides_and_block_size_overrides():
@@ -34,13 +34,6 @@ def test_the_wider_head_dim_decides_and_block_size_overrides():
     assert kernel_config(96, 96, torch.float32, block_size=16)["block"] == 16
     assert kernel_config(256, 256, torch.float32, block_size=64) == dict(block=64, block_dv=64, num_warps=8,
                                                                         num_stages=2)
-
-
-def test_fp32_dots_take_tensor_cores_in_three_products_and_16_bit_ones_in_one():
-    from lightning_edu.triton_kernels._tiles import dot_precision
-
-    assert [dot_precision(torch.zeros(1, dtype=t)) for t in (torch.float32, torch.bfloat16, torch.float16)] == [
-        "tf32x3", "tf32", "tf32"]
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, "float32", np.float32, None])

@@ -7,9 +7,9 @@ References are float64 numpy rungs that share no code with the kernels: the mask
 Algorithm 2 in numpy (backward), computed from the inputs *as rounded to the tested dtype*, so a bound measures the
 kernel's arithmetic only. Bounds (relative Frobenius error, per dtype), BOUNDS below:
 
-* fp32: 1e-5. The wrapper asks tl.dot for "tf32x3" (three tf32 tensor-core products, about fp32's accuracy;
-  the interpreter computes a float32 product), so the error is fp32 rounding: over the cpu cases' sums of at most
-  ~100 * 32 terms it was measured near 2e-7; on the cuda cases it is ~1e-6.
+* fp32: 1e-5. The wrapper asks tl.dot for IEEE fp32 (the interpreter has no tf32; on a GPU "ieee" is asked for
+  too), so the only error is fp32 rounding: over the cpu cases' sums of at most ~100 * 32 terms it was measured
+  near 2e-7; on the cuda cases it is ~1e-6.
 * fp16: 3e-3. Score tiles are rounded to fp16 (unit roundoff 4.9e-4) before the second dot; fp32 accumulators.
   (The interpreter's fp16 forward test holds a tighter 2e-3: its error is fp16 rounding of q, k, v and of the
   score tile, ~5e-4.)

@@ -7,7 +7,7 @@ odd shapes up to n = 20000 and d = 256 with the kernels' own tiles.
 The reference is the numpy Algorithm 1-2 rung in float64, fed the *same rounded* inputs, so the bounds measure the
 kernels alone. Bounds (relative Frobenius error, per dtype), BOUNDS below:
 
-* fp32: 1e-5. tf32x3 dots (three tf32 products, not plain tf32); in the interpreter the error lands near 1e-7.
+* fp32: 1e-5. IEEE fp32 (not tf32) dots; in the interpreter the error lands near 1e-7.
 * fp16: 5e-3 and bf16: 2e-2 (cuda only). 16-bit dot operands and a 16-bit copy of the fp32 state in each
   inter-block product; outputs rounded to the input dtype.
 """

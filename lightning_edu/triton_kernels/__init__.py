@@ -54,10 +54,10 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     measured 64 x 128 bf16 one, so the pipelined K and V tiles ask for no more shared memory than the
     configuration the sweep timed (LA-1 halves its fp32 block for the same reason). Up to d = 64 a 64-row
     float32 tile is no bigger than that one and keeps its 64 rows. ``block_size`` overrides the rows.
-    float32 runs 8 warps: its "tf32x3" dots (:func:`~._tiles.dot_precision`) hold three products' operands,
-    and with 4 warps the kernels spill registers. Measured on an H100 (Triton 3.6; d = 128, 16 heads, 32K
-    tokens per call): forward + backward 19.5 against 21.1 ms at T = 2K and 21.8 against 27.5 ms at 32K, and
-    the first call (compilation, chapter 07) 9.0 against 11.3 s.
+    float32 runs 8 warps: its exact fp32 dots (``input_precision="ieee"``, :func:`~._tiles.dot_precision`) run
+    on the FMA units, and with 4 warps the kernels spill registers. Measured on an H100 (Triton 3.6; d = 128, 16
+    heads, 32K tokens per call): forward + backward 171 against 247 ms at T = 2K and 252 against 369 ms at 32K,
+    and the first call (compilation, chapter 07) 11.4 against 21.7 s.
     Returns the keyword arguments of ``la2_fast_forward``/``la2_fast_backward``: block, block_dv,
     num_warps, num_stages.
     """

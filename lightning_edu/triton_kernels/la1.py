@@ -20,9 +20,9 @@ dQ is one program per query block looping over key blocks up to the diagonal; dK
 per key block looping over the query blocks from the diagonal to the end of the sequence.
 
 Precision: tiles are loaded in the input dtype (fp32, fp16 or bf16); ``tl.dot`` takes its operands in
-that dtype and accumulates in fp32 (fp16/bf16 run on the tensor cores; fp32 dots are asked for as "tf32x3",
-three tf32 tensor-core products, not plain tf32, so that fp32 results agree with float64 to about 1e-6); the
-decay tile, the masking and every accumulator are fp32. Outputs are stored in the input dtype.
+that dtype and accumulates in fp32 (fp16/bf16 run on the tensor cores; fp32 dots are asked for in full
+IEEE precision, not tf32, so that fp32 results agree with float64 to about 1e-6); the decay tile, the
+masking and every accumulator are fp32. Outputs are stored in the input dtype.
 
 The sequence length is a runtime argument (a new n does not recompile); head dims are compile-time
 constants padded to powers of two >= 16, with masks, so d_k != d_v and d in {16, 32, 64, 128} all work.
@@ -363,7 +363,7 @@ def _prepare(who, q, k, v, decay, block_size, do=None):
         # tl.dot wants every side >= 16 and a power of two: head dims padded, padded columns masked to 0 on load.
         D_K=args.d_k, D_V=args.d_v, PAD_K=pad_dim(args.d_k), PAD_V=pad_dim(args.d_v),
         BLOCK_M=block, BLOCK_N=block,
-        # fp32 inputs get tf32x3 dots (plain tf32 would cost ~3e-4 relative error); fp16/bf16 use the tensor cores.
+        # fp32 inputs get IEEE fp32 dots (tf32 would cost ~3e-4 relative error); fp16/bf16 use the tensor cores.
         PRECISION=dot_precision(q),
         # Two fp32 accumulators of (B, 128) in the dK/dV kernel need more than 4 warps' registers.
         num_warps=8 if max(args.d_k, args.d_v) >= 128 else 4,
