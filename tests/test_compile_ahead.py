@@ -81,6 +81,48 @@ def test_the_interpreter_compiles_nothing_ahead(monkeypatch):
     assert o.shape == v.shape
 
 
+def _signature(x):
+    """What Triton specialises a launch on, roughly: a tensor's dtype, an int's value, a constexpr's value."""
+    return ("tensor", x.dtype) if isinstance(x, torch.Tensor) else x
+
+
+@pytest.mark.parametrize("dtype,d_k,d_v,n", [(torch.float32, 32, 32, 200), (torch.float16, 64, 64, 129),
+                                           (torch.float32, 16, 48, 97)])
+def test_the_ahead_pass_makes_the_launches_of_a_forward_and_backward(dtype, d_k, d_v, n, monkeypatch):
+    """On the CPU, through the interpreter: every launch of a real forward + backward (with an initial state),
+    with its grid, arguments and constants, is one the ahead pass of ops._first_call makes, and no other."""
+    from lightning_edu.triton_kernels import la2_fast, la3
+
+    launches = {"real": [], "ahead": []}
+    mode = ["real"]
+    real_launch = _tiles.launch
+
+    def recording_launch(kernel, grid):
+        def call(*args, **meta):
+            launches[mode[0]].append((kernel.fn.__name__, grid, tuple(map(_signature, args)),
+                                      tuple(sorted(meta.items()))))
+            if mode[0] == "real":
+                return real_launch(kernel, grid)(*args, **meta)
+        return call
+
+    monkeypatch.setattr(la2_fast, "launch", recording_launch)
+    monkeypatch.setattr(la3, "launch", recording_launch)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, n, d_k, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(2, 3, n, d_v, generator=gen).to(dtype).requires_grad_()
+    s0 = torch.randn(2, 3, d_k, d_v, generator=gen).requires_grad_()
+    log2_decay = torch.tensor([-0.1, 0.0, -3.0])
+    o, sn, incoming = ops.EagerLA2.apply(q, k, v, log2_decay, s0, None, True)
+    (o.float().sum() + sn.sum()).backward()
+    mode[0] = "ahead"
+    monkeypatch.setattr(ops, "compile_ahead", lambda run: run())
+    ops._COMPILED.clear()
+    ops._first_call(q.detach(), k.detach(), v.detach(), log2_decay, s0.detach(), None, True,
+                    ops.launch_plan(q, v)[2])
+    assert len(launches["real"]) >= 6
+    assert sorted(launches["ahead"], key=repr) == sorted(launches["real"], key=repr)
+
+
 @pytest.mark.parametrize("dtype,d", [pytest.param(t, d, marks=marks("cuda")) for t, d in
                                      (("bfloat16", 64), ("bfloat16", 128), ("float32", 64))])
 def test_a_first_call_compiles_every_kernel_ahead(dtype, d, tmp_path):
