@@ -109,7 +109,9 @@ def ahead_key(q: Tensor, k: Tensor, v: Tensor, initial_state: Tensor | None, blo
 def _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_segments) -> None:
     """On a configuration's first call on a GPU, compile the kernels of its forward, and of its backward when
     one may follow (``save_states``), side by side (:func:`~._tiles.compile_ahead`): the launchers run once on
-    these tensors without launching. Measured on an H100 (``python -m lightning_edu.perf.first_call``; chapter 07)."""
+    these tensors without launching. Measured on an H100 (``python -m lightning_edu.perf.first_call``; chapter 07).
+    What it costs besides: for that moment the device holds the buffers a forward + backward allocates (o, the
+    states, dq, dk, dv), freed before the call itself runs."""
     key = ahead_key(q, k, v, initial_state, block_size, save_states, num_segments)
     if key in _COMPILED:
         return
