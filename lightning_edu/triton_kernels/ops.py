@@ -132,7 +132,7 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_st
     fp32, incoming), la2_fast's forward, its segment states saved when ``save_states``. With ``ahead`` (and
     :data:`COMPILE_AHEAD`), a configuration's first call on a GPU compiles its kernels side by side first."""
     cfg, seg_len, num_seg = launch_plan(q, v, block_size)
-    if ahead and COMPILE_AHEAD and q.is_cuda and not interpreted(q) and not torch.cuda.is_current_stream_capturing():
+    if ahead and COMPILE_AHEAD and not interpreted(q) and not torch.cuda.is_current_stream_capturing():
         _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_seg)
     # read where they lie (la2_fast.in_place): a strided view of a projection is not copied. The launchers return
     # o and the gradients laid out as output_like gives their inputs (what the fakes promise); upcast copies keep
