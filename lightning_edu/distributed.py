@@ -237,11 +237,11 @@ class _GatherStates(torch.autograd.Function):
 def _reduce_scatter(group, *grads: torch.Tensor) -> torch.Tensor:
     """This rank's gradient summed over all ranks: _GatherStates' backward."""
     grads = [g.contiguous() for g in grads]
-    mine = torch.empty_like(grads[0])
-    if mine.device.type == "cpu":  # gloo
+    if grads[0].device.type == "cpu":  # gloo
         received = [torch.empty_like(g) for g in grads]
         dist.all_to_all(received, grads, group=group)
         return torch.stack(received).sum(0)
+    mine = torch.empty_like(grads[0])
     dist.reduce_scatter(mine, grads, group=group)
     return mine
 
