@@ -87,6 +87,17 @@ def cases(argnames: str, by_device: dict[str, list]):
     return pytest.mark.parametrize(["device", *names], params)
 
 
+def compiled(device: str, run, *args, **kwargs):
+    """``run(*args, **kwargs)``. On a GPU, every kernel that ``run`` launches is first compiled side by side, in
+    threads (``_tiles.compile_ahead``, chapter 07), rather than one after another at its launch: a case that runs
+    a forward and a backward compiles eight kernels, and on an empty Triton cache that is most of its time."""
+    if device == "cuda":
+        from lightning_edu.triton_kernels._tiles import compile_ahead
+
+        compile_ahead(run, *args, **kwargs)
+    return run(*args, **kwargs)
+
+
 def synchronize(device: str) -> None:
     """Wait for the device's kernels (a no-op in the interpreter, which runs them on the host as they are called)."""
     if device == "cuda":

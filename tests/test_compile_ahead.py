@@ -48,6 +48,21 @@ def test_compile_ahead_turns_every_launch_into_a_warm_up_and_restores_launching(
     assert kernel.calls[-1][0] == "launch"
 
 
+def test_every_kernel_of_the_package_launches_through_launch():
+    """No launcher indexes a kernel (``kernel[grid](...)``): every launch goes through ``_tiles.launch``, so that
+    ``compile_ahead`` sees it (the backend's first call, and the GPU tests, compile side by side)."""
+    import pathlib
+    import re
+
+    import lightning_edu.triton_kernels as package
+
+    sources = {path.name: path.read_text() for path in pathlib.Path(package.__file__).parent.glob("*.py")}
+    indexed = {name: re.findall(r"\b\w+_kernel\[", text) for name, text in sources.items()}
+    assert not any(indexed.values()), {name: hits for name, hits in indexed.items() if hits}
+    launched = {name for name, text in sources.items() if re.search(r"\blaunch\(\w+_kernel, ", text)}
+    assert {"la1.py", "la2_literal.py", "la2_fast.py", "la3.py", "decode.py"} <= launched, launched
+
+
 def test_compile_ahead_restores_launching_when_the_launcher_raises():
     def broken():
         raise RuntimeError("bad launcher")

@@ -69,3 +69,37 @@ def test_launch_arithmetic_agrees_with_tritons():
 
     assert all(next_power_of_2(n) == triton.next_power_of_2(n) for n in range(1, 5000))
     assert all(cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 400) for b in range(1, 70))
+
+
+COUNTS = {"H", "heads", "n_programs"}  # integer counts a kernel must not be compiled again for (_tiles)
+LENGTHS = {"n", "seg_len"}  # specialised on purpose: unspecialised, n cost the forward 6 % on an H100
+
+
+def _kernels():
+    import importlib
+
+    for module in ("la1", "la2_literal", "la2_fast", "la3", "decode"):
+        m = importlib.import_module(f"lightning_edu.triton_kernels.{module}")
+        for name, obj in vars(m).items():
+            if name.endswith("_kernel") and hasattr(obj, "arg_names"):
+                yield f"{module}.{name}", obj
+
+
+def _unspecialised(kernel) -> set:
+    listed = getattr(kernel, "do_not_specialize", None)  # a compiled JITFunction keeps indices
+    if listed is None:  # the interpreter's InterpretedFunction keeps the decorator's arguments
+        listed = kernel.kwargs.get("do_not_specialize") or ()
+    return {kernel.arg_names[i] if isinstance(i, int) else i for i in listed}
+
+
+def test_kernels_are_compiled_once_for_every_head_count_and_grid():
+    """Every kernel leaves its counts unspecialised (one compilation serves every head count and grid) and
+    keeps its lengths specialised (measured faster)."""
+    seen = dict(_kernels())
+    assert len(seen) >= 11, sorted(seen)  # la1 3, la2_literal 3, la2_fast 3, la3 1, decode 1
+    for name, kernel in seen.items():
+        counts = COUNTS & set(kernel.arg_names)
+        assert counts, f"{name} takes none of {sorted(COUNTS)}: update COUNTS"
+        missing = counts - _unspecialised(kernel)
+        assert not missing, f"{name} specialises on {sorted(missing)}: list them in do_not_specialize"
+        assert not LENGTHS & _unspecialised(kernel), f"{name}: n and seg_len stay specialised (_tiles)"

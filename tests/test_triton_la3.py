@@ -13,7 +13,7 @@ dtype), BOUNDS below, those of tests/test_triton_la2.py: fp32 1e-5 (IEEE fp32 do
 import numpy as np
 import pytest
 import torch
-from kernel_cases import cases, kernel_inputs, on
+from kernel_cases import cases, compiled, kernel_inputs, on
 from kernel_cases import to_numpy64 as _np
 
 import lightning_edu as le
@@ -52,8 +52,12 @@ def test_la3_backward_matches_algorithm2(device, shape, decays, tiles, from_forw
     q, k, v, do, s0, dsn = kernel_inputs(shape, device, dtype)
     lam = np.array(decays)
     l2 = log2_decay_tensor(lam, device)
-    saved = la2_fast_forward(q, k, v, l2, s0, save_states=True)[2] if from_forward else None
-    grads = la3_backward(q, k, v, do, l2, s0, dsn, saved=saved, **tiles)
+
+    def backward():
+        saved = la2_fast_forward(q, k, v, l2, s0, save_states=True)[2] if from_forward else None
+        return la3_backward(q, k, v, do, l2, s0, dsn, saved=saved, **tiles)
+
+    grads = compiled(device, backward)
     ref = blockwise_backward(_np(q), _np(k), _np(v), _np(do), lam, 64, _np(s0), _np(dsn))
     for name, got, want in zip(("dq", "dk", "dv", "d_state"), grads, ref):
         assert got.dtype == (torch.float32 if name == "d_state" else dtype), name
@@ -95,7 +99,8 @@ def test_every_la3_kernel_fits_in_99_kib_of_shared_memory(device, d, dtype):
     q, k, v, do, s0, dsn = kernel_inputs((1, 2, 700, d, d), device, dtype, seed=1)
     l2 = log2_decay_tensor(DECAYS[:2], device)
     cfg = kernel_config(d, d, dtype)  # the backend's tiles: 32-row blocks for fp32 at d = 128
-    records = compiled_resources(lambda: la3_backward(q, k, v, do, l2, s0, dsn, seg_len=256, **cfg), fresh=True)
+    records = compiled_resources(lambda: compiled(device, la3_backward, q, k, v, do, l2, s0, dsn, seg_len=256, **cfg),
+                                 fresh=True)
     kernels = {r["kernel"] for r in records}
     assert {"_segment_state_kernel", "_la2_fast_forward_kernel", "_la3_dkdv_kernel"} <= kernels, kernels
     for r in records:

@@ -52,6 +52,12 @@ How the kernels are written (every kernel of this package, so that one reads lik
   program owns; ``BLOCK`` (LA-2: rows per block), ``BLOCK_M`` / ``BLOCK_N`` (LA-1: query / key rows),
   ``CHUNK`` / ``MICRO`` (LA-3); ``PRECISION`` the ``input_precision`` of every ``tl.dot`` (:func:`dot_precision`);
   ``SAFE`` the exact pass, ``SCAN`` the flags one exact-pass program scans.
+* **Counts are not specialised on; lengths are.** Triton compiles a kernel again for each integer argument that
+  is 1 or a multiple of 16, so that it may fold or align with it. The head count (``H`` or ``heads``) and the
+  number of programs (``n_programs``) are listed in ``do_not_specialize``: one compilation serves every head
+  count and grid. The sequence length ``n`` and ``seg_len`` stay specialised, as do the strides: on an H100
+  (bf16, d = 128, 16 heads, 32K tokens) a forward with ``n`` unspecialised ran 6 % slower (0.478 against
+  0.450 ms at T = 8K), while unspecialising the counts changed nothing measurable.
 * **Dots** carry their shapes in a comment, ``(rows, inner) @ (inner, cols)``.
 * The decay tile (:func:`decay_tile`), the exact pass's dispatch (:func:`flagged_range`) and the tile widths
   (:func:`pad_dim`) live here, once.

@@ -17,12 +17,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tiles import cdiv, head_start, pad_dim, refuse_interpreted_bf16
+from ._tiles import cdiv, head_start, launch, pad_dim, refuse_interpreted_bf16
 
 __all__ = ["decode_step"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def _decode_kernel(Q, K, V, S, S_OUT, O, LOG2_DECAY, H,
                    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
                    HAS_STATE: tl.constexpr):
@@ -71,7 +71,7 @@ def decode_step(q, k, v, state, log2_decay, out_state=None, block_v: int | None 
     # A slice of the state per program: at most 8K fp32 values (32 KB) in registers.
     block_v = block_v or max(16, min(pad_dim(d_v), 8192 // pad_k))
     grid = (batch * heads, cdiv(d_v, block_v))
-    _decode_kernel[grid](q, k, v, state if state is not None else out_state, out_state, o, log2_decay, heads,
-                         D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_v, HAS_STATE=state is not None,
-                         num_warps=num_warps)
+    launch(_decode_kernel, grid)(q, k, v, state if state is not None else out_state, out_state, o, log2_decay, heads,
+                                 D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_v, HAS_STATE=state is not None,
+                                 num_warps=num_warps)
     return o, out_state

@@ -44,7 +44,7 @@ from ..validation import device_decay, validate_attention_args, validate_block_s
 from ..torch_chunked import first_derivative_only
 from ._tiles import (
     apply_decay, cdiv, clear_flag, decay_tile, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite,
-    flagged_range, pad_dim, poison, refuse_interpreted_bf16, stored_nonfinite,
+    flagged_range, launch, pad_dim, poison, refuse_interpreted_bf16, stored_nonfinite,
 )
 
 __all__ = [
@@ -120,7 +120,7 @@ def _forward_program(Q, K, V, O, DECAY, n, heads, block_i, bh,
     return bad
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["heads", "n_programs"])
 def la1_forward_kernel(
     Q, K, V, O, DECAY, FLAG,
     n, heads, n_programs,
@@ -207,7 +207,7 @@ def _dq_program(K, V, DO, DQ, DECAY, n, heads, block_i, bh,
     return bad
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["heads", "n_programs"])
 def la1_backward_dq_kernel(
     K, V, DO, DQ, DECAY, FLAG,
     n, heads, n_programs,
@@ -303,7 +303,7 @@ def _dkdv_program(Q, K, V, DO, DK, DV, DECAY, n, heads, block_j, bh,
     return out_dk, out_dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["heads", "n_programs"])
 def la1_backward_dkdv_kernel(
     Q, K, V, DO, DK, DV, DECAY, FLAG,
     n, heads, n_programs,
@@ -392,9 +392,9 @@ def la1_forward(q, k, v, decay=1.0, block_size: int | None = None):
     launch_args = (q, k, v, o, decay_t, flags, args.seq_len, args.heads, programs, *_strides(q), *_strides(k),
                    *_strides(v), *_strides(o))
     # The fast pass flags programs whose accumulator ended non-finite; the exact pass redoes only those (_tiles).
-    la1_forward_kernel[grid](*launch_args, **meta)
+    launch(la1_forward_kernel, grid)(*launch_args, **meta)
     safe_grid, scan = exact_pass_grid(programs, q.device)
-    la1_forward_kernel[safe_grid](*launch_args, **meta, SAFE=True, SCAN=scan)
+    launch(la1_forward_kernel, safe_grid)(*launch_args, **meta, SAFE=True, SCAN=scan)
     return o
 
 
@@ -413,12 +413,12 @@ def la1_backward(q, k, v, do, decay=1.0, block_size: int | None = None):
     safe_grid, scan = exact_pass_grid(programs, q.device)
     launch_args = (k, v, do, dq, decay_t, flags, args.seq_len, args.heads, programs, *_strides(k), *_strides(v),
                    *_strides(do), *_strides(dq))
-    la1_backward_dq_kernel[grid](*launch_args, **meta)  # fast pass, then the flagged programs exactly (_tiles)
-    la1_backward_dq_kernel[safe_grid](*launch_args, **meta, SAFE=True, SCAN=scan)
+    launch(la1_backward_dq_kernel, grid)(*launch_args, **meta)  # fast pass, then the flagged programs exactly (_tiles)
+    launch(la1_backward_dq_kernel, safe_grid)(*launch_args, **meta, SAFE=True, SCAN=scan)
     launch_args = (q, k, v, do, dk, dv, decay_t, flags, args.seq_len, args.heads, programs, *_strides(q), *_strides(k),
                    *_strides(v), *_strides(do), *_strides(dk), *_strides(dv))
-    la1_backward_dkdv_kernel[grid](*launch_args, **meta)
-    la1_backward_dkdv_kernel[safe_grid](*launch_args, **meta, SAFE=True, SCAN=scan)
+    launch(la1_backward_dkdv_kernel, grid)(*launch_args, **meta)
+    launch(la1_backward_dkdv_kernel, safe_grid)(*launch_args, **meta, SAFE=True, SCAN=scan)
     return dq, dk, dv
 
 

@@ -38,7 +38,7 @@ from ._tiles import (
     flagged_range, head_offset, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 
-__all__ = ["la2_fast_forward", "la2_fast_backward", "choose_segments", "dq_pass", "finish_backward", "in_place",
+__all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "dq_pass", "finish_backward", "in_place",
            "output_like", "in_layout_of"]
 
 
@@ -50,7 +50,7 @@ def _row_offsets(p, n, REVERSE: tl.constexpr):
     return p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H"])
 def _segment_state_kernel(
     K, V, SEG, LOG2_DECAY, n, H, seg_len, skb, skh, skn: tl.constexpr, svb, svh, svn: tl.constexpr,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -180,7 +180,7 @@ def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh
     return kv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "n_programs"])
 def _la2_fast_forward_kernel(
     Q, K, V, O, S0, SN, SEG, INC, FLAG, LOG2_DECAY, n, H, seg_len, n_programs,
     sqb, sqh, sqn: tl.constexpr, skb, skh, skn: tl.constexpr, svb, svh, svn: tl.constexpr,
@@ -300,7 +300,7 @@ def _dkdv_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, bh, s
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "n_programs"])
 def _la2_fast_dkdv_kernel(
     Q, K, V, DO, DK, DV, XN, SEG, FLAG, LOG2_DECAY, n, H, seg_len, n_programs,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
@@ -451,21 +451,36 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     return o, sn, aux
 
 
-def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int = 64, block_dv: int | None = None,
-                     num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None, save_states: bool = False):
+def backend_tiles(q, v, block=None, block_dv=None, num_warps=None, num_stages=None) -> tuple[int, int | None, int, int]:
+    """(block, block_dv, num_warps, num_stages) for a launcher: each one given as given, each one left None as the
+    backend takes it for these head dims and q's dtype (:func:`~lightning_edu.triton_kernels.kernel_config`).
+    So a launcher called without tiles runs the kernels the backend runs, and reuses their compilations."""
+    from . import kernel_config  # the package defines it before importing this module
+
+    cfg = kernel_config(q.shape[-1], v.shape[-1], q.dtype, block)
+    return (cfg["block"], cfg["block_dv"] if block_dv is None else block_dv, num_warps or cfg["num_warps"],
+            num_stages or cfg["num_stages"])
+
+
+def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None = None, block_dv: int | None = None,
+                     num_warps: int | None = None, num_stages: int | None = None, seg_len: int | None = None,
+                     save_states: bool = False):
     """Segmented forward. Returns (o, final_state fp32), or (o, final_state, saved) with ``save_states``:
     ``saved = (seg_len, incoming)`` holds every segment's incoming state for la2_fast_backward's dQ pass
-    (``incoming`` is None when the sequence is one segment: then there is nothing to save).
+    (``incoming`` is None when the sequence is one segment: then there is nothing to save). Tiles left None
+    are the backend's (:func:`backend_tiles`).
     bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
     refuse_interpreted_bf16("la2_fast_forward", q, k, v)
+    block, block_dv, num_warps, num_stages = backend_tiles(q, v, block, block_dv, num_warps, num_stages)
     s0 = initial_state.float().contiguous() if initial_state is not None else None
     o, sn, aux = _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len,
                                store_incoming=save_states)
     return (o, sn, (aux["seg_len"], aux["incoming"])) if save_states else (o, sn)
 
 
-def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None, block: int = 64,
-                      block_dv: int | None = None, num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None,
+def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None, block: int | None = None,
+                      block_dv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                      seg_len: int | None = None,
                       fused_dkdv: bool = False, dkdv_block: int | None = None, dkdv_warps: int = 8,
                       dkdv_stages: int | None = None, saved=None):
     """Segmented backward. Returns (dq, dk, dv, d_initial_state fp32).
@@ -479,9 +494,11 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     gives dQ every segment's incoming state KV^T, so it skips its pre-pass over K and V. And the dV and dK
     passes read the same (Q, dO) in the same order: dK reuses dV's segment states, transposed.
 
-    bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong.
+    Tiles left None are the backend's (:func:`backend_tiles`). bfloat16 is refused in the CPU interpreter
+    (TypeError): its bf16 arithmetic is wrong.
     """
     refuse_interpreted_bf16("la2_fast_backward", q, k, v, do)
+    block, block_dv, num_warps, num_stages = backend_tiles(q, v, block, block_dv, num_warps, num_stages)
 
     dq = dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved)
     if fused_dkdv:

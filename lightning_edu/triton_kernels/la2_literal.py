@@ -21,7 +21,7 @@ import triton.language as tl
 from ..validation import validate_head_dims
 from ._tiles import (
     apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    flagged_range, head_start, pad_dim, poison, refuse_interpreted_bf16,
+    flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16,
 )
 
 __all__ = [
@@ -96,7 +96,7 @@ def _forward_program(Q, K, V, O, S0, SN, LOG2_DECAY, n, H, bh, pid_v,
     return kv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "n_programs"])
 def la2_literal_forward_kernel(
     Q, K, V, O, S0, SN, FLAG, LOG2_DECAY, n, H, n_programs,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -160,7 +160,7 @@ def _dq_program(K, V, DO, DQ, S0, LOG2_DECAY, n, H, bh, pid_k,
     return kv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "n_programs"])
 def la2_literal_dq_kernel(
     K, V, DO, DQ, S0, FLAG, LOG2_DECAY, n, H, n_programs,
     D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, PAD_V: tl.constexpr,
@@ -249,7 +249,7 @@ def _dkdv_program(Q, K, V, DO, DK, DV, DSN, DS0, LOG2_DECAY, n, H, bh,
     return dkv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "n_programs"])
 def la2_literal_dkdv_kernel(
     Q, K, V, DO, DK, DV, DSN, DS0, FLAG, LOG2_DECAY, n, H, n_programs,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
@@ -314,9 +314,9 @@ def la2_literal_forward(q, k, v, log2_decay, initial_state=None, block: int = 64
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k), BLOCK_DV=block_dv, BLOCK=block,
                 HAS_S0=initial_state is not None, PRECISION=dot_precision(q))
     # The fast pass flags programs whose state ended non-finite; the exact pass redoes only those (_tiles).
-    la2_literal_forward_kernel[grid](*args, **meta, STORE_SN=True)
+    launch(la2_literal_forward_kernel, grid)(*args, **meta, STORE_SN=True)
     safe_grid, scan = exact_pass_grid(programs, q.device)
-    la2_literal_forward_kernel[safe_grid](*args, **meta, STORE_SN=False, SAFE=True, SCAN=scan)
+    launch(la2_literal_forward_kernel, safe_grid)(*args, **meta, STORE_SN=False, SAFE=True, SCAN=scan)
     return o, sn
 
 
@@ -344,14 +344,14 @@ def la2_literal_backward(q, k, v, do, log2_decay, initial_state=None, d_final_st
     args = (k, v, do, dq, s0, flags, log2_decay, n, heads, programs)
     meta = dict(D_K=d_k, D_V=d_v, BLOCK_DK=block_dk, PAD_V=pad_dim(d_v), BLOCK=block,
                 HAS_S0=initial_state is not None, PRECISION=dot_precision(q))
-    la2_literal_dq_kernel[grid](*args, **meta)  # fast pass, then the flagged programs exactly (_tiles)
+    launch(la2_literal_dq_kernel, grid)(*args, **meta)  # fast pass, then the flagged programs exactly (_tiles)
     safe_grid, scan = exact_pass_grid(programs, q.device)
-    la2_literal_dq_kernel[safe_grid](*args, **meta, SAFE=True, SCAN=scan)
+    launch(la2_literal_dq_kernel, safe_grid)(*args, **meta, SAFE=True, SCAN=scan)
     dsn = d_final_state.float().contiguous() if d_final_state is not None else ds0
     args = (q, k, v, do, dk, dv, dsn, ds0, flags, log2_decay, n, heads, batch * heads)
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k), PAD_V=pad_dim(d_v), BLOCK=block,
                 HAS_DSN=d_final_state is not None, PRECISION=dot_precision(q), num_warps=8)
-    la2_literal_dkdv_kernel[(batch * heads,)](*args, **meta, STORE_DS0=True)
+    launch(la2_literal_dkdv_kernel, (batch * heads,))(*args, **meta, STORE_DS0=True)
     safe_grid, scan = exact_pass_grid(batch * heads, q.device)
-    la2_literal_dkdv_kernel[safe_grid](*args, **meta, STORE_DS0=False, SAFE=True, SCAN=scan)
+    launch(la2_literal_dkdv_kernel, safe_grid)(*args, **meta, STORE_DS0=False, SAFE=True, SCAN=scan)
     return dq, dk, dv, ds0

@@ -37,7 +37,8 @@ from ._tiles import (
     flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 from .la2_fast import (
-    _incoming_state, _segment_state_kernel, _strides, choose_segments, dq_pass, finish_backward, in_layout_of,
+    _incoming_state, _segment_state_kernel, _strides, backend_tiles, choose_segments, dq_pass, finish_backward,
+    in_layout_of,
 )
 
 __all__ = ["la3_backward", "la3_dkdv", "la3_tiles", "MAX_HEAD_DIM"]
@@ -155,7 +156,7 @@ def _la3_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, bh, se
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "n_programs"])
 def _la3_dkdv_kernel(
     Q, K, V, DO, DK, DV, XN, SEG, FLAG, LOG2_DECAY, n, H, seg_len, n_programs,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
@@ -189,6 +190,12 @@ def _la3_dkdv_kernel(
 # place); log2_decay float32 (heads,).
 
 
+def _check_head_dims(d_k: int, d_v: int) -> None:
+    if max(d_k, d_v) > MAX_HEAD_DIM:
+        raise ValueError(f"la3 supports d_k, d_v <= {MAX_HEAD_DIM} (its fp32 state would not fit on chip), got "
+                         f"d_k = {d_k}, d_v = {d_v}; use la2_fast")
+
+
 def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warps: int = 4, num_stages: int = 1,
              seg_len: int | None = None):
     """dK, dV and the reverse sweep's last state x_end = sum_t lambda^t q_t^T do_t (fp32), by the micro-chunk
@@ -204,9 +211,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))  # the micro-chunk kernel addresses contiguous heads
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
-    if max(d_k, d_v) > MAX_HEAD_DIM:
-        raise ValueError(f"la3 supports d_k, d_v <= {MAX_HEAD_DIM} (its fp32 state would not fit on chip), got "
-                         f"d_k = {d_k}, d_v = {d_v}; use la2_fast")
+    _check_head_dims(d_k, d_v)
     pad_k, pad_v = pad_dim(d_k), pad_dim(d_v)
     if q.is_cuda and micro == 64 and (pad_k, pad_v) == (64, 32):
         # Compiled by Triton 3.6 for an H100, the 16-bit kernel with 64-row micro-chunks at d_k = 64, d_v = 32
@@ -238,13 +243,15 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     return in_layout_of(dk, like[0]), in_layout_of(dv, like[1]), x_end
 
 
-def la3_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None, block: int = 64,
-                 block_dv: int | None = None, num_warps: int = 4, num_stages: int = 2, seg_len: int | None = None,
+def la3_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None, block: int | None = None,
+                 block_dv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                 seg_len: int | None = None,
                  saved=None, chunk: int | None = None, micro: int | None = None, dkdv_warps: int | None = None,
                  dkdv_stages: int | None = None):
     """The recompute-heavy backward. Returns (dq, dk, dv, d_initial_state fp32); the signature of
     la2_fast_backward, plus the dK/dV kernel's tiles (``chunk``, ``micro``, ``dkdv_warps``, ``dkdv_stages``;
-    defaults from :func:`la3_tiles`). Head dims up to 128 (ValueError beyond).
+    defaults from :func:`la3_tiles`); dQ's tiles left None are the backend's (:func:`~.la2_fast.backend_tiles`).
+    Head dims up to 128 (ValueError beyond, before anything runs).
 
     dQ is la2_fast's dQ pass (from the forward's saved segment states when ``saved`` is given), its d_k cut
     in slices of at most 64 columns so that it too stays within 99 KB of shared memory; dK and dV come from
@@ -252,6 +259,8 @@ def la3_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None
     (TypeError): its bf16 arithmetic is wrong.
     """
     refuse_interpreted_bf16("la3_backward", q, k, v, do)
+    _check_head_dims(q.shape[-1], v.shape[-1])
+    block, block_dv, num_warps, num_stages = backend_tiles(q, v, block, block_dv, num_warps, num_stages)
     block_dv = min(block_dv or 64, 64)  # dQ's "value" is K: slices of d_k (a full 128-wide slice needs 112 KB)
     dq = dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved)
     tiles = la3_tiles(q.dtype)
