@@ -68,11 +68,15 @@ def case_id(value) -> str:
     return str(value)
 
 
-def cases(argnames: str, by_device: dict[str, list]):
+def cases(argnames: str, by_device: dict[str, list], same_worker=None):
     """Parametrise ``device`` and ``argnames`` (comma-separated) with each device's own list of cases.
 
     ``by_device`` maps a device to its cases: one value each for a single name, else a tuple of one value per name.
-    Ids read ``device-value-value``, each value through :func:`case_id`."""
+    Ids read ``device-value-value``, each value through :func:`case_id`.
+
+    ``same_worker(values)`` may name a group for a cuda case (or return None): under ``pytest -n N --dist loadgroup``
+    the cases of one group, in this test or another, run one after another in one worker, so the kernels the first
+    compiles the next finds in Triton's cache instead of compiling them at the same time in another worker."""
     names = [a.strip() for a in argnames.split(",")]
     params = []
     for device, rows in by_device.items():
@@ -82,7 +86,9 @@ def cases(argnames: str, by_device: dict[str, list]):
             values = (row,) if len(names) == 1 else tuple(row)
             if len(values) != len(names):
                 raise ValueError(f"case {row!r} does not give one value for each of {names}")
-            params.append(pytest.param(device, *values, marks=marks(device),
+            group = same_worker(values) if same_worker is not None and device == "cuda" else None
+            extra = [pytest.mark.xdist_group(group)] if group else []
+            params.append(pytest.param(device, *values, marks=marks(device) + extra,
                                        id="-".join([device, *map(case_id, values)])))
     return pytest.mark.parametrize(["device", *names], params)
 

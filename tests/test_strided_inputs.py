@@ -42,7 +42,7 @@ SHAPES = {  # batch, n, heads, d
 }
 
 
-@cases("shape,dtype", SHAPES)
+@cases("shape,dtype", SHAPES, same_worker=lambda case: f"projection views {case}")  # both doors: one compilation
 @pytest.mark.parametrize("door", ["eager", "op"])
 def test_projection_views_give_the_same_bits_and_layouts(device, shape, dtype, door):
     batch, n, heads, d = shape

@@ -103,3 +103,13 @@ def test_kernels_are_compiled_once_for_every_head_count_and_grid():
         missing = counts - _unspecialised(kernel)
         assert not missing, f"{name} specialises on {sorted(missing)}: list them in do_not_specialize"
         assert not LENGTHS & _unspecialised(kernel), f"{name}: n and seg_len stay specialised (_tiles)"
+
+
+def test_same_worker_groups_name_cuda_cases_only():
+    """kernel_cases.cases: a case's group (pytest-xdist ``--dist loadgroup``) is put on cuda cases, where kernels
+    compile, and never on cpu ones."""
+    from kernel_cases import cases
+
+    mark = cases("d", {"cpu": [16, 128], "cuda": [64, 128]}, same_worker=lambda case: "big" if case == (128,) else None)
+    groups = {p.id: [m.args[0] for m in p.marks if m.name == "xdist_group"] for p in mark.args[1]}
+    assert groups == {"cpu-16": [], "cpu-128": [], "cuda-64": [], "cuda-128": ["big"]}
