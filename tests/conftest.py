@@ -37,6 +37,13 @@ def torch_threads():
     return _torch_threads
 
 
+def pytest_collection_modifyitems(config, items):
+    """Cases that share a worker (``xdist_group``, tests/kernel_cases.py) are the GPU cases that compile the most;
+    run them first, so that under ``pytest -n N --dist loadgroup`` the longest work starts at once rather than last.
+    The sort is stable: every other test keeps its order."""
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+
+
 @pytest.fixture(autouse=True)
 def _release_cached_gpu_memory():
     """Under pytest-xdist several workers share one GPU, and each one's caching allocator keeps what its tests
