@@ -454,7 +454,11 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
 def backend_tiles(q, v, block=None, block_dv=None, num_warps=None, num_stages=None) -> tuple[int, int | None, int, int]:
     """(block, block_dv, num_warps, num_stages) for a launcher: each one given as given, each one left None as the
     backend takes it for these head dims and q's dtype (:func:`~lightning_edu.triton_kernels.kernel_config`).
-    So a launcher called without tiles runs the kernels the backend runs, and reuses their compilations."""
+    So a launcher called without tiles runs the kernels the backend runs, and reuses their compilations. (When
+    block, num_warps and num_stages are all given, as the backend gives them, nothing is looked up: block_dv None
+    then means what it means to the launcher, a slice chosen from the grid.)"""
+    if block is not None and num_warps is not None and num_stages is not None:
+        return block, block_dv, num_warps, num_stages
     from . import kernel_config  # the package defines it before importing this module
 
     cfg = kernel_config(q.shape[-1], v.shape[-1], q.dtype, block)
@@ -551,6 +555,20 @@ def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end):
     return dq, dk, dv, ds0
 
 
+def reverse_segment_states(q, do, log2_decay, seg, seg_len, block, block_dv, num_warps, num_stages) -> None:
+    """The pre-pass of a fused reverse sweep over contiguous (q, dO) (la2_fast's fused dK/dV, la3's dK/dV): into
+    ``seg`` (batch * heads, num_segments, d_k, d_v), each segment's local state sum_p lambda^(end-1-p) q_p^T do_p,
+    p in processing (reversed) order, for every segment but the first processed; nothing with one segment."""
+    batch, heads, n, d_k = q.shape
+    d_v, num_seg = do.shape[-1], seg.shape[1]
+    if num_seg > 1:
+        launch(_segment_state_kernel, (batch * heads, num_seg - 1, cdiv(d_v, block_dv)))(
+            q, do, seg, log2_decay, n, heads, seg_len, *_strides(q, do), D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k),
+            BLOCK_DV=block_dv, BLOCK=block, REVERSE=True, PRECISION=dot_precision(q), CONTIGUOUS=True,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+
+
 def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages, seg_len, dkdv_block, dkdv_warps,
                 dkdv_stages):
     import torch
@@ -569,14 +587,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
     pad_k, pad_v = pad_dim(d_k), pad_dim(d_v)
-    if num_seg > 1:
-        block_dv_seg = min(pad_v, block_dv or 64)
-        launch(_segment_state_kernel, (batch * heads, num_seg - 1, cdiv(d_v, block_dv_seg)))(
-            q, do, seg, log2_decay, n, heads, seg_len_, *_strides(q, do), D_K=d_k, D_V=d_v, PAD_K=pad_k,
-            BLOCK_DV=block_dv_seg,
-            BLOCK=block, REVERSE=True, PRECISION=dot_precision(q), CONTIGUOUS=True, num_warps=num_warps,
-            num_stages=num_stages,
-        )
+    reverse_segment_states(q, do, log2_decay, seg, seg_len_, block, min(pad_v, block_dv or 64), num_warps, num_stages)
     programs = batch * heads * num_seg
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
     args = (q, k, v, do, dk, dv, x_end, seg, flags, log2_decay, n, heads, seg_len_, programs)

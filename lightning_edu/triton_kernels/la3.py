@@ -37,8 +37,7 @@ from ._tiles import (
     flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 from .la2_fast import (
-    _incoming_state, _segment_state_kernel, _strides, backend_tiles, choose_segments, dq_pass, finish_backward,
-    in_layout_of,
+    _incoming_state, backend_tiles, choose_segments, dq_pass, finish_backward, in_layout_of, reverse_segment_states,
 )
 
 __all__ = ["la3_backward", "la3_dkdv", "la3_tiles", "MAX_HEAD_DIM"]
@@ -229,13 +228,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
     precision = dot_precision(q)
-    if num_seg > 1:  # each later-processed segment's local state sum lambda^(end-1-p) q_p^T do_p
-        block_dv = min(pad_v, 64)
-        launch(_segment_state_kernel, (batch * heads, num_seg - 1, cdiv(d_v, block_dv)))(
-            q, do, seg, log2_decay, n, heads, seg_len, *_strides(q, do), D_K=d_k, D_V=d_v, PAD_K=pad_k,
-            BLOCK_DV=block_dv, BLOCK=chunk, REVERSE=True, PRECISION=precision, CONTIGUOUS=True, num_warps=4,
-            num_stages=2,
-        )
+    reverse_segment_states(q, do, log2_decay, seg, seg_len, chunk, min(pad_v, 64), 4, 2)
     programs = batch * heads * num_seg
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
     args = (q, k, v, do, dk, dv, x_end, seg, flags, log2_decay, n, heads, seg_len, programs)
