@@ -121,9 +121,10 @@ def load_recorded(name: str, root: Path | None = None) -> dict:
 
 def describe_recorded(data: dict) -> str:
     """One line naming where a recorded measurement came from, printed above its plot."""
-    versions = ", ".join(f"{k} {data[k]}" for k in ("torch", "triton", "driver") if k in data)
-    commit = f", commit {data['commit'][:12]}" if data.get("commit") else ""
-    return f"Recorded on {data['machine']} on {data['date']} ({versions}{commit}) by: {data['command']}"
+    facts = [f"{k} {data[k]}" for k in ("torch", "triton", "driver") if k in data]
+    facts += [f"commit {data['commit'][:12]}"] if data.get("commit") else []
+    facts = f" ({', '.join(facts)})" if facts else ""
+    return f"Recorded on {data['machine']} on {data['date']}{facts} by: {data['command']}"
 
 
 def recorded_series(rows, method: str, key: str, *, x: str = "T", **where):
