@@ -38,8 +38,8 @@ from ._tiles import (
     flagged_range, head_offset, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 
-__all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "dq_pass", "finish_backward", "in_place",
-           "output_like", "in_layout_of"]
+__all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "dq_pass", "finish_backward",
+           "reverse_segment_states", "in_place", "output_like", "in_layout_of"]
 
 
 @triton.jit
