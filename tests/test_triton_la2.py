@@ -76,7 +76,7 @@ def test_every_variant_is_tested():
     "cuda": [(variant, shape, list(DECAYS[:shape[1]]), None, None, dtype)
              for variant in sorted(VARIANTS) for shape in GPU_SHAPES for dtype in BOUNDS
              if dtype != torch.float32 or shape in GPU_FP32_SHAPES],
-}, same_worker=lambda case: LA3_FP32_D128 if case[0] == "la3" and case[-1] == torch.float32 and case[1][3] == 128 else None)
+}, same_worker=lambda case: LA3_FP32_D128 if (case[0], case[1][3], case[-1]) == ("la3", 128, torch.float32) else None)
 def test_variant_forward_backward(device, variant, shape, decays, block, seg_len, dtype):
     q, k, v, do, s0, dsn = kernel_inputs(shape, device, dtype)
     lam = np.array(decays)
