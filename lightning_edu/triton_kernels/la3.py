@@ -32,6 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..validation import validate_head_dims
 from ._tiles import (
     apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
     flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
@@ -193,12 +194,6 @@ def _la3_dkdv_kernel(
 # place); log2_decay float32 (heads,).
 
 
-def _check_head_dims(d_k: int, d_v: int) -> None:
-    if max(d_k, d_v) > MAX_HEAD_DIM:
-        raise ValueError(f"la3 supports d_k, d_v <= {MAX_HEAD_DIM} (its fp32 state would not fit on chip), got "
-                         f"d_k = {d_k}, d_v = {d_v}; use la2_fast")
-
-
 def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warps: int = 4, num_stages: int = 1,
              seg_len: int | None = None):
     """dK, dV and the reverse sweep's last state x_end = sum_t lambda^t q_t^T do_t (fp32), by the micro-chunk
@@ -214,7 +209,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))  # the micro-chunk kernel addresses contiguous heads
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
-    _check_head_dims(d_k, d_v)
+    validate_head_dims(d_k, d_v, MAX_HEAD_DIM, "la3")
     pad_k, pad_v = pad_dim(d_k), pad_dim(d_v)
     if q.is_cuda and micro == 64 and (pad_k, pad_v) == (64, 32):
         # Compiled by Triton 3.6 for an H100, the 16-bit kernel with 64-row micro-chunks at d_k = 64, d_v = 32
@@ -256,7 +251,7 @@ def la3_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None
     (TypeError): its bf16 arithmetic is wrong.
     """
     refuse_interpreted_bf16("la3_backward", q, k, v, do)
-    _check_head_dims(q.shape[-1], v.shape[-1])
+    validate_head_dims(q.shape[-1], v.shape[-1], MAX_HEAD_DIM, "la3")
     block, block_dv, num_warps, num_stages = backend_tiles(q, v, block, block_dv, num_warps, num_stages)
     block_dv = min(block_dv or 64, 64)  # dQ's "value" is K: slices of d_k (a full 128-wide slice needs 112 KB)
     dq = dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved)
