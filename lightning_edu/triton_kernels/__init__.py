@@ -48,8 +48,12 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     """Tile sizes of the backend's kernels for head dims (d_k, d_v) and the dtype the tiles are loaded in.
 
     The 16-bit tiles were chosen by the H200 tile sweep of chapter 07 (``bench --tune``,
-    notebooks/data/tune_h200.json): 64-row blocks, or 32-row blocks with d_v cut into 64-column slices
-    when a head dim exceeds 128. That sweep was bf16 only. A float32 tile holds twice the bytes of a 16-bit
+    notebooks/data/tune_h200.json): 64-row blocks, or 32-row blocks when a head dim exceeds 128. That sweep was
+    bf16 only. d_v is cut into 64-column slices above d = 64 (two programs per (batch, head) and segment at
+    d = 128, reading Q and K twice, mostly from L2), measured on an H100 with the segment count of
+    :func:`~.la2_fast.choose_segments` (bf16, d = 128, 16 heads, 32K tokens per call; forward / backward ms):
+    0.356 / 0.915 against 0.377 / 1.037 with d_v whole at T = 8K, 0.377 / 0.936 against 0.408 / 1.070 at 32K and
+    1.423 / 3.607 against 1.471 / 3.757 at 128K. A float32 tile holds twice the bytes of a 16-bit
     one, so above d = 64 float32 takes 32-row blocks: a 32 x 128 float32 tile is the size in bytes of the
     measured 64 x 128 bf16 one, so the pipelined K and V tiles ask for no more shared memory than the
     configuration the sweep timed (LA-1 halves its fp32 block for the same reason). Up to d = 64 a 64-row
@@ -66,8 +70,8 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     d = max(d_k, d_v)
     wide_fp32 = dtype == torch.float32 and d > 64
     block = block_size or (32 if d > 128 or wide_fp32 else 64)
-    return dict(block=block, block_dv=64 if d > 128 else None, num_warps=8 if dtype == torch.float32 else 4,
-                num_stages=2)
+    return dict(block=block, block_dv=64 if d > 128 or (d > 64 and not wide_fp32) else None,
+                num_warps=8 if dtype == torch.float32 else 4, num_stages=2)
 
 
 # The Lightning Attention-2 variants share one signature: forward(q, k, v, log2_decay, initial_state, ...)

@@ -38,8 +38,8 @@ from ._tiles import (
     flagged_range, head_offset, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 
-__all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "dq_pass", "finish_backward",
-           "reverse_segment_states", "in_place", "output_like", "in_layout_of"]
+__all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
+           "finish_backward", "reverse_segment_states", "in_place", "output_like", "in_layout_of"]
 
 
 @triton.jit
@@ -91,20 +91,25 @@ def _segment_state_kernel(
 @triton.jit
 def _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok,
                     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    HAS_S0: tl.constexpr, SEG_IS_INCOMING: tl.constexpr = False):
+                    HAS_S0: tl.constexpr, SEG_IS_INCOMING: tl.constexpr = False, SEG_T: tl.constexpr = False):
     """State at the start of segment ``seg``: lambda^(seg L) S0 + sum_{i<seg} lambda^((seg-1-i) L) S_i (Horner).
     S0 and SEG point at this head's state and segment states.
 
-    With SEG_IS_INCOMING, SEG already holds each segment's incoming state (saved by an earlier pass).
+    With SEG_IS_INCOMING, SEG already holds each segment's incoming state (saved by an earlier pass). With SEG_T,
+    SEG holds the states transposed, (d_v, d_k) each: another pass's states, read in place of a transposed copy.
     """
+    if SEG_T:  # state_offs holds row * D_V + column; the same entry of a (d_v, d_k) state is column * D_K + row
+        seg_offs = (state_offs % D_V) * D_K + state_offs // D_V
+    else:
+        seg_offs = state_offs
     if SEG_IS_INCOMING:
-        return tl.load(SEG + seg * D_K * D_V + state_offs, mask=state_ok, other=0.0)
+        return tl.load(SEG + seg * D_K * D_V + seg_offs, mask=state_ok, other=0.0)
     kv = tl.zeros((PAD_K, BLOCK_DV), dtype=tl.float32)
     if HAS_S0:
         kv = tl.load(S0 + state_offs, mask=state_ok, other=0.0).to(tl.float32)
     seg_decay = tl.exp2(log2_lam * seg_len.to(tl.float32))
     for i in range(0, seg):
-        kv = kv * seg_decay + tl.load(SEG + i * D_K * D_V + state_offs, mask=state_ok, other=0.0)
+        kv = kv * seg_decay + tl.load(SEG + i * D_K * D_V + seg_offs, mask=state_ok, other=0.0)
     return kv
 
 
@@ -147,7 +152,7 @@ def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh
                      sob, soh, son: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr,
                      STORE_SN: tl.constexpr, SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr,
-                     PRECISION: tl.constexpr, SAFE: tl.constexpr, CONTIGUOUS: tl.constexpr):
+                     PRECISION: tl.constexpr, SAFE: tl.constexpr, CONTIGUOUS: tl.constexpr, SEG_T: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
     Q += head_offset(bh, H, n, D_K, sqb, sqh, CONTIGUOUS)
     K += head_offset(bh, H, n, D_K, skb, skh, CONTIGUOUS)
@@ -165,7 +170,7 @@ def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh
     state_offs = offs_k[:, None] * D_V + offs_v[None, :]
     state_ok = k_ok[:, None] & v_ok[None, :]
     kv = _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok,
-                         D_K, D_V, PAD_K, BLOCK_DV, HAS_S0, SEG_IS_INCOMING)
+                         D_K, D_V, PAD_K, BLOCK_DV, HAS_S0, SEG_IS_INCOMING, SEG_T)
     if STORE_INC:
         tl.store(INC + seg * D_K * D_V + state_offs, kv, mask=state_ok)
     mask = decay_tile(log2_lam, offs_r, offs_r, SAFE)  # M: lambda^(r-s) on and below the diagonal
@@ -187,7 +192,7 @@ def _la2_fast_forward_kernel(
     sob, soh, son: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr,
     SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr, PRECISION: tl.constexpr,
-    SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16, CONTIGUOUS: tl.constexpr = False,
+    SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16, CONTIGUOUS: tl.constexpr = False, SEG_T: tl.constexpr = False,
 ):
     """Algorithm 1 over one segment. Grid (batch*heads, num_segments, cdiv(d_v, BLOCK_DV)).
 
@@ -200,7 +205,8 @@ def _la2_fast_forward_kernel(
     1.53 against 1.36 ms per pass at 1 x 128K tokens, 0.378 against 0.337 ms at 4 x 8K).
 
     STORE_INC saves each segment's incoming state to INC (batch*heads, num_segments, d_k, d_v) fp32, so
-    that the backward's dQ pass can start every segment without a pre-pass over K and V.
+    that the backward's dQ pass can start every segment without a pre-pass over K and V. SEG_T: SEG holds
+    states saved by another pass, transposed (the dQ pass reads the forward's, the dK pass the dV pass's).
     Two passes (_tiles): the fast one flags programs whose final state is non-finite; the exact one (SAFE,
     grid from _tiles.exact_pass_grid, STORE_SN and STORE_INC off) redoes them with exact tiles.
     """
@@ -213,7 +219,8 @@ def _la2_fast_forward_kernel(
                 _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, i // slices // num_seg,
                                  i // slices % num_seg, i % slices, num_seg, sqb, sqh, sqn, skb, skh, skn,
                                  svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K, BLOCK_DV, BLOCK,
-                                 REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC, PRECISION, True, CONTIGUOUS)
+                                 REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC, PRECISION, True, CONTIGUOUS,
+                                 SEG_T)
     else:
         bh = tl.program_id(0)
         seg = tl.program_id(1)
@@ -223,7 +230,7 @@ def _la2_fast_forward_kernel(
         kv = _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
                               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K,
                               BLOCK_DV, BLOCK, REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC,
-                              PRECISION, False, CONTIGUOUS)
+                              PRECISION, False, CONTIGUOUS, SEG_T)
         flag_nonfinite(flag, kv)  # a non-finite K or V entry always leaves the state non-finite (0 * NaN = NaN)
 
 
@@ -382,12 +389,17 @@ def _sm_count(device) -> int:
 
 
 def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: int | None = None) -> tuple[int, int]:
-    """(num_segments, seg_len): enough segments that ``programs * num_segments`` fills about two waves of SMs.
+    """(num_segments, seg_len): as many segments as keep ``programs * num_segments`` within two programs per SM.
 
+    Two programs of the backend's 16-bit kernels fit on an SM at once (registers and shared memory), so up to
+    ``2 * sm_count`` programs run as one wave. One program more starts a second wave, in which a few programs run
+    while most SMs wait: rounding the segment count up (17 segments of a 16-head sequence on 132 SMs, 272
+    programs) made the forward 1.21-1.25x slower than rounding it down (16 segments, 256 programs) on an H100
+    (bf16, d = 128: 1.82 against 1.46 ms at 1 x 128K tokens, 0.447 against 0.375 ms at 4 x 8K; chapter 07).
     seg_len is a multiple of ``block`` so every segment but the last is made of whole blocks.
     """
     if seg_len is None:
-        want = max(1, cdiv(2 * sm_count, max(programs, 1)))
+        want = max(1, 2 * sm_count // max(programs, 1))
         blocks = cdiv(n, block)
         per_seg = cdiv(blocks, min(want, blocks))
         seg_len = per_seg * block
@@ -396,8 +408,22 @@ def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: i
     return cdiv(n, seg_len), seg_len
 
 
+def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: int) -> tuple[int, int, int]:
+    """(block, num_warps, num_stages) of the segment pre-pass (``_segment_state_kernel``) for 16-bit inputs: 32-row
+    blocks, 4 warps, 4 stages. The pre-pass only streams K and V through one dot per block, so it wants more
+    loads in flight than the main kernel's tiles give it. Measured on an H100 (bf16, 16 heads, 32K tokens per
+    call, chapter 07): at d = 128 it took 0.069 / 0.098 / 0.347 ms at T = 8K / 32K / 128K with these tiles
+    against 0.096 / 0.118 / 0.424 ms with the forward's (64 rows, 4 warps, 2 stages). Other dtypes, and segments
+    that are not whole 32-row blocks, keep the given tiles."""
+    import torch
+
+    if dtype in (torch.float16, torch.bfloat16) and seg_len % 32 == 0:
+        return 32, 4, 4
+    return block, num_warps, num_stages
+
+
 def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, num_warps, num_stages, seg_len,
-                  local_states=None, incoming=None, store_incoming=False, out=None):
+                  local_states=None, incoming=None, store_incoming=False, out=None, seg_t=False):
     """o_p = q_p sum_{p'<=p} lambda^(p-p') k_p'^T v_p' (+ lambda^(p+1) q_p S0) in processing order p, written into
     ``out`` when given (v's shape, from :func:`output_like`), else into ``output_like(v)``.
 
@@ -406,6 +432,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     and values in the same order) and, with ``store_incoming`` and more than one segment, every
     segment's incoming state (else None). With
     ``incoming`` given (an earlier pass's saved states, same seg_len), no pre-pass and no Horner loop run.
+    ``seg_t``: the given ``local_states`` or ``incoming`` are another pass's, transposed (read in place).
     """
     import torch
 
@@ -427,10 +454,10 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     if seg is None:
         seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
         if num_seg > 1:
+            pre_block, pre_warps, pre_stages = prepass_tiles(q.dtype, seg_len, block, num_warps, num_stages)
             launch(_segment_state_kernel, (batch * heads, num_seg - 1, slices))(
-                k, v, seg, log2_decay, n, heads, seg_len, *_strides(k, v), **meta,
-                CONTIGUOUS=k.is_contiguous() and v.is_contiguous(), num_warps=num_warps,
-                num_stages=num_stages,
+                k, v, seg, log2_decay, n, heads, seg_len, *_strides(k, v), **{**meta, "BLOCK": pre_block},
+                CONTIGUOUS=k.is_contiguous() and v.is_contiguous(), num_warps=pre_warps, num_stages=pre_stages,
             )
     # With one segment the dQ pass has no pre-pass to skip (and saving cost 3 % at T = 2K on an H200).
     store_incoming = store_incoming and num_seg > 1
@@ -441,7 +468,8 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
     args = (q, k, v, o, s0, sn, seg, inc, flags, log2_decay, n, heads, seg_len, programs, *_strides(q, k, v, o))
     meta.update(HAS_S0=initial_state is not None, SEG_IS_INCOMING=incoming is not None, num_warps=num_warps,
-                num_stages=num_stages, CONTIGUOUS=all(x.is_contiguous() for x in (q, k, v, o)))
+                num_stages=num_stages, CONTIGUOUS=all(x.is_contiguous() for x in (q, k, v, o)),
+                SEG_T=seg_t and (incoming is not None or local_states is not None))
     # The fast pass flags programs whose state ended non-finite; the exact pass redoes only those (_tiles).
     launch(_la2_fast_forward_kernel, grid)(*args, **meta, STORE_SN=True, STORE_INC=store_incoming)
     safe_grid, scan = exact_pass_grid(programs, q.device)
@@ -513,9 +541,9 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
         # state sum q^T do = dKV; each gradient laid out as its input (output_like)
         dv, x_end, aux = _forward_form(k, q, do, log2_decay, None, True, *cfg, seg_len, out=output_like(v))
         one_segment = aux["local"].shape[1] == 1  # then there are no segment states to share
-        local_t = None if one_segment else aux["local"].transpose(-1, -2).contiguous()  # dK's are dV's, transposed
-        dk, _, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg, aux["seg_len"], local_states=local_t,
-                                 out=output_like(k))
+        # dK's segment states are dV's, transposed: read in place (seg_t)
+        dk, _, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg, aux["seg_len"],
+                                 local_states=None if one_segment else aux["local"], seg_t=True, out=output_like(k))
     return finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end)
 
 
@@ -524,9 +552,8 @@ def dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, 
     ``saved`` (the forward's segment states) no pre-pass over K and V runs. dQ is laid out as q (output_like)."""
     s0t = initial_state.float().transpose(-1, -2).contiguous() if initial_state is not None else None
     cfg = (block, block_dv, num_warps, num_stages)
-    if saved is not None and saved[1] is not None:
-        seg_len, incoming = saved[0], saved[1].transpose(-1, -2).contiguous()  # KV^T at each segment start
-        return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, incoming=incoming,
+    if saved is not None and saved[1] is not None:  # KV at each segment start: dQ's states are KV^T (seg_t)
+        return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, saved[0], incoming=saved[1], seg_t=True,
                              out=output_like(q))[0]
     return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, out=output_like(q))[0]
 
@@ -562,6 +589,7 @@ def reverse_segment_states(q, do, log2_decay, seg, seg_len, block, block_dv, num
     batch, heads, n, d_k = q.shape
     d_v, num_seg = do.shape[-1], seg.shape[1]
     if num_seg > 1:
+        block, num_warps, num_stages = prepass_tiles(q.dtype, seg_len, block, num_warps, num_stages)
         launch(_segment_state_kernel, (batch * heads, num_seg - 1, cdiv(d_v, block_dv)))(
             q, do, seg, log2_decay, n, heads, seg_len, *_strides(q, do), D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k),
             BLOCK_DV=block_dv, BLOCK=block, REVERSE=True, PRECISION=dot_precision(q), CONTIGUOUS=True,
