@@ -113,3 +113,40 @@ def test_same_worker_groups_name_cuda_cases_only():
     mark = cases("d", {"cpu": [16, 128], "cuda": [64, 128]}, same_worker=lambda case: "big" if case == (128,) else None)
     groups = {p.id: [m.args[0] for m in p.marks if m.name == "xdist_group"] for p in mark.args[1]}
     assert groups == {"cpu-16": [], "cpu-128": [], "cuda-64": [], "cuda-128": ["big"]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# How many segments, and the pre-pass's tiles.
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from lightning_edu.triton_kernels.la2_fast import choose_segments, prepass_tiles  # noqa: E402
+
+
+@given(programs=st.integers(1, 600), n=st.integers(1, 300_000), block=st.sampled_from([16, 32, 64]),
+       sms=st.sampled_from([4, 108, 132]))
+def test_segments_fill_one_wave_of_two_programs_per_sm_and_no_more(programs, n, block, sms):
+    num_seg, seg_len = choose_segments(programs, n, block, sms)
+    blocks = -(-n // block)
+    wave = max(1, 2 * sms // programs)  # segments per (batch, head) program that one wave holds
+    assert seg_len % block == 0 and (num_seg - 1) * seg_len < n <= num_seg * seg_len  # every row, no empty segment
+    assert num_seg <= wave  # never a second wave, unless one segment already needs it
+    assert 2 * num_seg >= min(wave, blocks)  # at least half the wave used (segments are whole, equal runs of blocks)
+
+
+def test_segments_round_down_at_the_benchmarks_shapes():
+    # 16 heads, d_v in two slices: 32 programs per segment on a 132-SM GPU -> 8 segments (256 programs), not 9
+    assert choose_segments(32, 32768, 64, 132)[0] == 8
+    assert choose_segments(16, 131072, 64, 132)[0] == 16  # not 17: 272 programs would start a second wave
+    assert choose_segments(64, 8192, 64, 132)[0] == 4  # not 5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prepass_streams_32_row_blocks_in_16_bit(dtype):
+    assert prepass_tiles(dtype, 4096, 64, 4, 2) == (32, 4, 4)
+    assert prepass_tiles(dtype, 48, 16, 4, 2) == (16, 4, 2)  # a segment that is not whole 32-row blocks
+
+
+def test_prepass_keeps_the_given_tiles_in_fp32():
+    assert prepass_tiles(torch.float32, 4096, 32, 8, 2) == (32, 8, 2)
