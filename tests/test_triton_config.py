@@ -25,6 +25,7 @@ def test_fp32_tiles_halve_the_rows_above_d_64(d, block, block_dv):
     cfg = kernel_config(d, d, torch.float32)
     assert (cfg["block"], cfg["block_dv"]) == (block, block_dv)
     assert cfg["num_warps"] == 8  # exact fp32 dots spill registers with 4 warps
+    assert cfg["num_stages"] == (1 if 64 < d <= 128 else 2)  # measured at d = 128: one stage runs faster
 
 
 def test_the_wider_head_dim_decides_and_block_size_overrides():

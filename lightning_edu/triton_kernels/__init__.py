@@ -61,7 +61,9 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     float32 runs 8 warps: its exact fp32 dots (``input_precision="ieee"``, :func:`~._tiles.dot_precision`) run
     on the FMA units, and with 4 warps the kernels spill registers. Measured on an H100 (Triton 3.6; d = 128, 16
     heads, 32K tokens per call): forward + backward 171 against 247 ms at T = 2K and 252 against 369 ms at 32K,
-    and the first call (compilation, chapter 07) 11.4 against 21.7 s.
+    and the first call (compilation, chapter 07) 11.4 against 21.7 s. Above d = 64, up to 128, float32 also runs
+    one pipeline stage instead of two: forward + backward 169 against 236 ms at T = 32K on the same H100 (16 heads),
+    and the first call 11.4 against 12.8 s.
     Returns the keyword arguments of ``la2_fast_forward``/``la2_fast_backward``: block, block_dv,
     num_warps, num_stages.
     """
@@ -71,7 +73,7 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     wide_fp32 = dtype == torch.float32 and d > 64
     block = block_size or (32 if d > 128 or wide_fp32 else 64)
     return dict(block=block, block_dv=64 if d > 128 or (d > 64 and not wide_fp32) else None,
-                num_warps=8 if dtype == torch.float32 else 4, num_stages=2)
+                num_warps=8 if dtype == torch.float32 else 4, num_stages=1 if wide_fp32 and d <= 128 else 2)
 
 
 # The Lightning Attention-2 variants share one signature: forward(q, k, v, log2_decay, initial_state, ...)
