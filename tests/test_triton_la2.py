@@ -175,7 +175,9 @@ def test_literal_refuses_heads_it_cannot_hold_on_chip():
 
 
 @cases("shape,decays,block,seg_len,dtype", {
-    "cpu": [((2, 2, 100, 16, 32), [0.97, 0.2], 16, seg_len, torch.float32) for seg_len in (None, 32, 48)],
+    "cpu": [((2, 2, 100, 16, 32), [0.97, 0.2], 16, seg_len, torch.float32) for seg_len in (None, 32, 48)]
+    # fp16: the pre-passes stream 32-row blocks (prepass_tiles), not the 16-row blocks of the passes they feed
+    + [((2, 2, 100, 16, 32), [0.97, 0.2], 16, 64, torch.float16)],
     "cuda": [(shape, list(DECAYS[:shape[1]]), None, None, dtype)  # la2_fast_forward's own block and segments
              for shape in [(1, 2, 4099, 128, 128), (2, 3, 1000, 64, 32), (1, 2, 20000, 64, 64)] for dtype in BOUNDS],
 })
