@@ -6,7 +6,8 @@ Four ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
    16 programs on a 132-SM H100. Here the sequence is cut into ``num_segments`` segments. A short pre-pass
    computes each segment's local state ``sum_s lambda^(end-1-s) k_s^T v_s`` (d_k x d_v, a few KB); the main
    kernel then starts segment j from ``sum_{i<j} lambda^((j-1-i) L) S_i`` (Horner's rule over the few
-   earlier segments, read from L2) and runs Algorithm 1 over its own blocks. More programs, few extra bytes.
+   earlier segments, read from L2) and runs Algorithm 1 over its own blocks. More programs, for a price in
+   bytes: the pre-pass reads K and V of every segment but the last a second time (measured in chapter 07).
 2. **16-bit dots.** Q, K, V stay bf16/fp16 in the dots, accumulating in fp32; the state stays fp32 and is
    rounded to 16 bits only as a dot operand. Decay factors scale fp32 results, not operands, where possible.
 3. **The backward is the forward in disguise.** With time reversed, dK and dV are causal decayed linear
