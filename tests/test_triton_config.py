@@ -3,11 +3,14 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import lightning_edu as le
 from lightning_edu import triton_kernels
 from lightning_edu.checks import relative_error
 from lightning_edu.triton_kernels import kernel_config
+from lightning_edu.triton_kernels.la2_fast import choose_segments, prepass_tiles
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -118,11 +121,6 @@ def test_same_worker_groups_name_cuda_cases_only():
 
 # ---------------------------------------------------------------------------------------------------------
 # How many segments, and the pre-pass's tiles.
-
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from lightning_edu.triton_kernels.la2_fast import choose_segments, prepass_tiles  # noqa: E402
 
 
 @given(programs=st.integers(1, 600), n=st.integers(1, 300_000), block=st.sampled_from([16, 32, 64]),
