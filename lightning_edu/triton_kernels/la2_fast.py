@@ -40,7 +40,7 @@ from ._tiles import (
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
-           "finish_backward", "reverse_segment_states", "in_place", "output_like", "in_layout_of"]
+           "finish_backward", "segment_states", "in_place", "output_like", "in_layout_of"]
 
 
 @triton.jit
@@ -454,12 +454,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     seg = incoming if incoming is not None else local_states
     if seg is None:
         seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
-        if num_seg > 1:
-            pre_block, pre_warps, pre_stages = prepass_tiles(q.dtype, seg_len, block, num_warps, num_stages)
-            launch(_segment_state_kernel, (batch * heads, num_seg - 1, slices))(
-                k, v, seg, log2_decay, n, heads, seg_len, *_strides(k, v), **{**meta, "BLOCK": pre_block},
-                CONTIGUOUS=k.is_contiguous() and v.is_contiguous(), num_warps=pre_warps, num_stages=pre_stages,
-            )
+        segment_states(k, v, log2_decay, seg, seg_len, block, block_dv, num_warps, num_stages, reverse)
     # With one segment the dQ pass has no pre-pass to skip (and saving cost 3 % at T = 2K on an H200).
     store_incoming = store_incoming and num_seg > 1
     inc = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32) if store_incoming else sn
@@ -583,18 +578,20 @@ def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end):
     return dq, dk, dv, ds0
 
 
-def reverse_segment_states(q, do, log2_decay, seg, seg_len, block, block_dv, num_warps, num_stages) -> None:
-    """The pre-pass of a fused reverse sweep over contiguous (q, dO) (la2_fast's fused dK/dV, la3's dK/dV): into
-    ``seg`` (batch * heads, num_segments, d_k, d_v), each segment's local state sum_p lambda^(end-1-p) q_p^T do_p,
-    p in processing (reversed) order, for every segment but the first processed; nothing with one segment."""
-    batch, heads, n, d_k = q.shape
-    d_v, num_seg = do.shape[-1], seg.shape[1]
+def segment_states(k, v, log2_decay, seg, seg_len, block, block_dv, num_warps, num_stages, reverse=False) -> None:
+    """The segment pre-pass, on its own tiles (:func:`prepass_tiles`): into ``seg`` (batch * heads, num_segments,
+    d_k, d_v), each segment's local state sum_p lambda^(end-1-p) k_p^T v_p, p in processing order (the sequence
+    reversed with ``reverse``), for every segment but the last processed; nothing with one segment. k and v are
+    (batch, heads, n, d) with contiguous rows, read in place. The passes of :func:`_forward_form` run it on their
+    keys and values; the fused reverse sweeps (la2_fast's fused dK/dV, la3's dK/dV) on (q, dO), reversed."""
+    batch, heads, n, d_k = k.shape
+    d_v, num_seg = v.shape[-1], seg.shape[1]
     if num_seg > 1:
-        block, num_warps, num_stages = prepass_tiles(q.dtype, seg_len, block, num_warps, num_stages)
+        block, num_warps, num_stages = prepass_tiles(k.dtype, seg_len, block, num_warps, num_stages)
         launch(_segment_state_kernel, (batch * heads, num_seg - 1, cdiv(d_v, block_dv)))(
-            q, do, seg, log2_decay, n, heads, seg_len, *_strides(q, do), D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k),
-            BLOCK_DV=block_dv, BLOCK=block, REVERSE=True, PRECISION=dot_precision(q), CONTIGUOUS=True,
-            num_warps=num_warps, num_stages=num_stages,
+            k, v, seg, log2_decay, n, heads, seg_len, *_strides(k, v), D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k),
+            BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=dot_precision(k),
+            CONTIGUOUS=k.is_contiguous() and v.is_contiguous(), num_warps=num_warps, num_stages=num_stages,
         )
 
 
@@ -616,7 +613,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
     pad_k, pad_v = pad_dim(d_k), pad_dim(d_v)
-    reverse_segment_states(q, do, log2_decay, seg, seg_len_, block, min(pad_v, block_dv or 64), num_warps, num_stages)
+    segment_states(q, do, log2_decay, seg, seg_len_, block, min(pad_v, block_dv or 64), num_warps, num_stages, True)
     programs = batch * heads * num_seg
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
     args = (q, k, v, do, dk, dv, x_end, seg, flags, log2_decay, n, heads, seg_len_, programs)

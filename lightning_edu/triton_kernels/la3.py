@@ -38,7 +38,7 @@ from ._tiles import (
     flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 from .la2_fast import (
-    _incoming_state, backend_tiles, choose_segments, dq_pass, finish_backward, in_layout_of, reverse_segment_states,
+    _incoming_state, backend_tiles, choose_segments, dq_pass, finish_backward, in_layout_of, segment_states,
 )
 
 __all__ = ["la3_backward", "la3_dkdv", "la3_tiles", "MAX_HEAD_DIM"]
@@ -225,7 +225,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
     precision = dot_precision(q)
-    reverse_segment_states(q, do, log2_decay, seg, seg_len, chunk, min(pad_v, 64), 4, 2)
+    segment_states(q, do, log2_decay, seg, seg_len, chunk, min(pad_v, 64), 4, 2, reverse=True)
     programs = batch * heads * num_seg
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
     args = (q, k, v, do, dk, dv, x_end, seg, flags, log2_decay, n, heads, seg_len, programs)
