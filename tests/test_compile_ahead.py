@@ -2,6 +2,7 @@
 on a GPU a configuration's first call compiles every kernel its forward and backward launch before launching
 any (Triton's post-compile hook tells a kernel compiled by a warm-up from one compiled at a launch)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from kernel_cases import marks
+from kernel_cases import marks, on
 
 from lightning_edu.perf import first_call
 from lightning_edu.triton_kernels import _tiles, ops
@@ -147,3 +148,62 @@ def test_a_first_call_compiles_every_kernel_ahead(dtype, d, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     row = json.loads(run.stdout.strip().splitlines()[-1])
     assert row["compiled"] >= 6 and row["at_launch"] == 0, row
+
+
+def test_the_fast_launch_key_separates_what_triton_specialises_on():
+    """``_tiles._fast_launch`` reuses a compiled kernel for a launch whose key it has seen: the key must differ
+    wherever Triton would compile another kernel (an argument's dtype, a pointer's 16-byte alignment, an integer's
+    divisibility by 16, the value 1, the integer's width), or a launch would run a kernel compiled for other
+    arguments."""
+    spec = _tiles._spec
+    buffer = torch.zeros(64)
+    pairs_apart = [(16, 17), (1, 2), (1, 17), (2**31 - 16, 2**31), (2**63 - 16, 2**63), (0, 1), (True, False),
+                   (buffer, buffer[1:]), (buffer, buffer.half()), (buffer, buffer.double()), (None, 0), (1.0, 1)]
+    for a, b in pairs_apart:
+        assert spec(a) != spec(b), (a if not isinstance(a, torch.Tensor) else "tensor", b)
+    pairs_together = [(16, 32), (17, 19), (buffer, buffer[4:]), (buffer, torch.ones(8)), (0.5, 2.0), (None, None)]
+    for a, b in pairs_together:
+        assert spec(a) == spec(b)
+
+
+def test_launch_takes_the_fast_path_only_for_compiled_kernels(monkeypatch):
+    """A stand-in (or an interpreted function) is launched as ``kernel[grid]``; with FAST_LAUNCH off, so is every
+    kernel."""
+    kernel = _Kernel()
+    assert not isinstance(_tiles.launch(kernel, (1,)), functools.partial)
+    monkeypatch.setattr(_tiles, "FAST_LAUNCH", False)
+    _tiles.launch(kernel, (1,))(3)
+    assert kernel.calls == [("launch", (1,), (3,), {})]
+
+
+@on("cuda")
+def test_the_fast_launch_gives_the_bits_of_tritons_launch(device, monkeypatch):
+    """The backend's forward and backward launched through ``_fast_launch`` (after a first call that fills its
+    table) and through Triton's ``kernel[grid]``: the same bits, at one segment and at several, with an initial
+    state."""
+    from lightning_edu import lightning_attention
+
+    def run(shape, dtype):
+        b, h, n, d_k, d_v = shape
+        g = torch.Generator(device="cuda").manual_seed(2)
+        q, k = (torch.randn(b, h, n, d_k, device="cuda", generator=g).to(dtype).div(4).requires_grad_() for _ in "qk")
+        v = torch.randn(b, h, n, d_v, device="cuda", generator=g).to(dtype).requires_grad_()
+        s0 = torch.randn(b, h, d_k, d_v, device="cuda", generator=g).requires_grad_()
+        decay = torch.linspace(0.5, 1.0, h, device="cuda")
+        o, sn = lightning_attention(q, k, v, decay, backend="triton", initial_state=s0, return_state=True)
+        torch.autograd.backward([o, sn], [torch.ones_like(o), torch.ones_like(sn)])
+        torch.cuda.synchronize()
+        return [o, sn, q.grad, k.grad, v.grad, s0.grad]
+
+    for shape, dtype in (((1, 4, 256, 64, 64), torch.bfloat16), ((2, 3, 1000, 128, 128), torch.bfloat16),
+                         ((1, 2, 333, 64, 32), torch.float16), ((1, 2, 300, 32, 48), torch.float32)):
+        monkeypatch.setattr(_tiles, "FAST_LAUNCH", False)
+        want = run(shape, dtype)
+        monkeypatch.setattr(_tiles, "FAST_LAUNCH", True)
+        run(shape, dtype)
+        before = len(_tiles._LAUNCHED)
+        got = run(shape, dtype)
+        assert len(_tiles._LAUNCHED) == before, "a repeated call met launch keys it had not seen"
+        assert before > 0
+        for a, b, name in zip(got, want, ("o", "final state", "dq", "dk", "dv", "d initial state")):
+            assert torch.equal(a, b), f"{name} at {shape}, {dtype}: fast launch and Triton's launch disagree"

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from kernel_cases import cases, on, synchronize
 
 from lightning_edu.triton_kernels import VARIANTS, log2_decay_tensor, triton_attention
+from lightning_edu.triton_kernels._tiles import aligned, dense
 from lightning_edu.triton_kernels.la2_fast import in_place, output_like
 from lightning_edu.triton_kernels.ops import EagerLA2, la2_backward, la2_forward
 
@@ -164,3 +165,59 @@ def test_in_place_copies_only_what_the_kernels_cannot_address():
     assert in_place(wide).is_contiguous()
     out = output_like(torch.empty(1, 2, 3, 4, device="meta").transpose(-1, -2))
     assert out.stride(-1) == 1
+
+
+def test_a_view_off_a_16_byte_boundary_is_copied_to_an_aligned_one():
+    """The kernels are handed only tensors that start on a 16-byte boundary (``_tiles.dense``): a view one element
+    into a buffer is copied, values unchanged, while an aligned contiguous tensor and an aligned strided view are
+    read where they lie."""
+    buffer = torch.randn(2 * 3 * 10 * 8 + 8)
+    for offset, copied in ((0, False), (1, True), (4, False), (2, True)):
+        view = buffer[offset:offset + 480].view(2, 3, 10, 8)  # 4 float32 = 16 bytes: offset 4 is aligned
+        for fn in (in_place, dense):
+            got = fn(view)
+            assert (got is not view) == copied, (fn.__name__, offset)
+            assert aligned(got) and got.is_contiguous() and torch.equal(got, view), (fn.__name__, offset)
+    strided = buffer[:480].view(2, 10, 3, 8).transpose(1, 2)  # aligned, not contiguous: in_place keeps it
+    assert in_place(strided) is strided and dense(strided) is not strided
+    assert dense(None) is None
+
+
+MISALIGNED = {  # (batch, heads, n, d_k, d_v), dtype. On an H100 (Triton 3.6) d_k = 64, d_v = 32 was computed wrong
+    "cpu": [((1, 2, 77, 32, 16), torch.float32)],  # from a misaligned key before the kernels were handed copies
+    "cuda": [((1, 2, 333, 64, 32), torch.float16), ((1, 2, 333, 64, 32), torch.bfloat16),
+             ((2, 3, 1000, 128, 128), torch.bfloat16), ((1, 2, 300, 64, 64), torch.bfloat16)],
+}
+
+
+@cases("shape,dtype", MISALIGNED, same_worker=lambda case: f"misaligned {case}")
+def test_inputs_off_a_16_byte_boundary_give_the_bits_of_aligned_ones(device, shape, dtype):
+    """q, k, v, dO and the initial state each a view one element into a buffer: o, the final state and every
+    gradient are the bits the same values give from aligned tensors."""
+    batch, heads, n, d_k, d_v = shape
+    g = torch.Generator(device=device).manual_seed(5)
+
+    def off_boundary(*size, scale=1.0):
+        count = 1
+        for s in size:
+            count *= s
+        buffer = (torch.randn(count + 1, device=device, generator=g) * scale).to(dtype)
+        return buffer[1:].view(*size)
+
+    views = [off_boundary(batch, heads, n, d_k, scale=0.5), off_boundary(batch, heads, n, d_k, scale=0.5),
+             off_boundary(batch, heads, n, d_v), off_boundary(batch, heads, n, d_v)]
+    s0 = off_boundary(batch, heads, d_k, d_v).float()  # float32 views stay off the boundary; others are copied
+    assert not any(aligned(x) for x in views)
+    decay = [0.9, 0.99, 0.5][:heads]
+    results = []
+    for copy in (False, True):
+        q, k, v = (x.clone() if copy else x for x in views[:3])
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        init = (s0.clone() if copy else s0).detach().requires_grad_()
+        o, sn = triton_attention(q, k, v, decay, init)
+        do = views[3].clone() if copy else views[3]
+        torch.autograd.backward([o, sn], [do, torch.ones_like(sn)])
+        synchronize(device)
+        results.append((o.detach(), sn.detach(), q.grad, k.grad, v.grad, init.grad))
+    for a, b, name in zip(*results, ("o", "final state", "dq", "dk", "dv", "d initial state")):
+        assert torch.equal(a, b), f"{name}: inputs off a 16-byte boundary and aligned copies disagree"

@@ -72,9 +72,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 __all__ = [
-    "launch", "compile_ahead", "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
+    "launch", "FAST_LAUNCH", "aligned", "dense", "compile_ahead", "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
     "head_start", "head_offset", "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
     "clear_flag", "flag_nonfinite",
 ]
@@ -83,12 +84,69 @@ __all__ = [
 _AHEAD = contextvars.ContextVar("lightning_edu_compile_ahead", default=False)
 
 
+FAST_LAUNCH = True
+"""Whether :func:`launch` on a GPU launches a kernel it has launched before with the same specialisation
+directly (:func:`_fast_launch`). Set it to False to send every launch through Triton's ``kernel[grid]``."""
+
+_LAUNCHED: dict = {}  # _fast_key -> (compiled kernel, the values of the parameters not passed by position)
+
+
 def launch(kernel, grid):
     """``kernel[grid]``, the launch; inside :func:`compile_ahead`, a warm-up instead: the kernel is compiled for
-    these arguments (handed to a compiler thread) and nothing runs. The backend's launchers launch through this."""
+    these arguments (handed to a compiler thread) and nothing runs. The backend's launchers launch through this.
+    On a GPU (with :data:`FAST_LAUNCH`) a launch whose specialisation was launched before skips Triton's
+    launch-time work: :func:`_fast_launch`."""
     if _AHEAD.get():
         return functools.partial(kernel.warmup, grid=grid)
+    if FAST_LAUNCH and isinstance(kernel, JITFunction):  # not the interpreter's functions, nor a stand-in
+        return functools.partial(_fast_launch, kernel, grid)
     return kernel[grid]
+
+
+def _spec(x):
+    """What Triton may specialise one argument on, or more: a tensor's dtype and whether its address is
+    16-byte aligned; an integer's divisibility by 16, whether it is 1, and its width (i32, i64, u64); a None; a
+    bool's value; any other value's type."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.data_ptr() % 16 == 0
+    if type(x) is int:
+        return x % 16 == 0, x == 1, -2**31 <= x < 2**31, x < 2**63
+    return x if x is None or type(x) is bool else type(x)
+
+
+def _fast_launch(kernel, grid, *args, **meta):
+    """``kernel[grid](*args, **meta)``, with Triton's launch-time work done once per specialisation.
+
+    Why. A short call of the backend is bound by the host: on an H100 machine's host each ``kernel[grid]`` launch
+    of la2_fast took 20-43 us (binding and specialising 26 arguments, the cache key, the stream, launch metadata)
+    when the compiled kernel's own launcher takes 6-11 us, and a forward + backward launches 8-10 kernels.
+
+    How. The key is everything Triton specialises a launch on, or finer (:func:`_spec` of every argument, the
+    constexprs and options in ``meta``, the device, Triton's debug and instrumentation settings): two launches
+    with one key compile to one kernel. The first launch with a key goes through ``kernel[grid]`` (compiling if
+    needed) and keeps the compiled kernel it returns; later ones call that kernel's launcher as Triton does, with the
+    same arguments, launch metadata and launch hooks (profilers use them). A kernel with pre-run hooks launches
+    the slow way. What is skipped: Triton's check that the kernel's global variables have not changed since it
+    was compiled (this package's kernels read none).
+    """
+    if kernel.pre_run_hooks:
+        return kernel[grid](*args, **meta)
+    runtime = triton.knobs.runtime
+    device = torch.cuda.current_device()
+    key = (kernel, device, runtime.debug, triton.knobs.compilation.instrumentation_mode, tuple(meta.items()),
+           tuple(map(_spec, args)))
+    hit = _LAUNCHED.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **meta)
+        rest = tuple(meta[p.name] if p.name in meta else p.default for p in kernel.params[len(args):])
+        _LAUNCHED[key] = (compiled, rest)
+        return compiled
+    compiled, rest = hit
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                 compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *args, *rest),
+                 runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *rest)
+    return compiled
 
 
 def compile_ahead(run, *args, workers: int | None = None, **kwargs) -> bool:
@@ -171,6 +229,27 @@ def exact_pass_grid(programs: int, device) -> tuple[tuple[int], int]:
     scanning SCAN flags (a power of two, at least 16) with one vector load and redoing the flagged ones."""
     scan = max(16, next_power_of_2(cdiv(programs, sm_count(device))))
     return (cdiv(programs, scan),), scan
+
+
+def aligned(x) -> bool:
+    """Whether tensor x starts on a 16-byte boundary. Every tensor torch allocates does; a view at an offset (a
+    slice of a larger buffer, ``x[1:]`` of a flat one) may not. See :func:`dense`."""
+    return x.data_ptr() % 16 == 0
+
+
+def dense(x):
+    """x itself when it is contiguous and starts on a 16-byte boundary (:func:`aligned`), else a contiguous copy
+    (a fresh allocation, which is aligned); None as None. The kernels are handed only aligned tensors.
+
+    Why. Triton specialises a launch on whether each pointer is 16-byte aligned and compiles another kernel
+    when one is not, with narrower loads. On an H100 (Triton 3.6) the la2_fast kernels compiled for a 16-bit key
+    tensor offset by one element from an aligned start gave wrong results at d_k = 64, d_v = 32 (dV off by 73 %)
+    and read outside their tensors at others (an illegal memory access), where the same values from an aligned
+    copy were right. A copy costs one trip through memory, on inputs that are rare: torch aligns every tensor
+    it allocates."""
+    if x is None or (x.is_contiguous() and aligned(x)):
+        return x
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def upcast_for_interpreter(*xs):

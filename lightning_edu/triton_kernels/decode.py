@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tiles import cdiv, head_start, launch, pad_dim, refuse_interpreted_bf16
+from ._tiles import cdiv, dense, head_start, launch, pad_dim, refuse_interpreted_bf16
 
 __all__ = ["decode_step"]
 
@@ -61,9 +61,9 @@ def decode_step(q, k, v, state, log2_decay, out_state=None, block_v: int | None 
     refuse_interpreted_bf16("decode_step", q, k, v)
     batch, heads, d_k = q.shape
     d_v = v.shape[-1]
-    q, k, v = (x.contiguous() for x in (q, k, v))
+    q, k, v = (dense(x) for x in (q, k, v))
     if state is not None:
-        state = state.float().contiguous()
+        state = dense(state.float())
     if out_state is None:
         out_state = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     o = torch.empty(batch, heads, d_v, device=q.device, dtype=q.dtype)

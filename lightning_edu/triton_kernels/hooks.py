@@ -10,7 +10,7 @@ bf16 arithmetic is wrong); on a GPU bf16 runs in the kernels as it is.
 from __future__ import annotations
 
 from . import kernel_config, log2_decay_tensor, triton_attention
-from ._tiles import cdiv, upcast_for_interpreter
+from ._tiles import cdiv, dense, upcast_for_interpreter
 from .la1 import la1_backward, la1_forward
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
@@ -23,8 +23,9 @@ __all__ = [
 
 
 def _tensors(*xs):
-    """Contiguous, and float32 where a bfloat16 tensor would meet the CPU interpreter."""
-    return upcast_for_interpreter(*(None if x is None else x.contiguous() for x in xs))
+    """Contiguous and aligned (:func:`~._tiles.dense`), and float32 where a bfloat16 tensor would meet the CPU
+    interpreter."""
+    return upcast_for_interpreter(*(dense(x) for x in xs))
 
 
 def _back(x, like):
@@ -99,6 +100,6 @@ def decode_from_args(args, **options):
     from .decode import decode_step
 
     q, k, v = _tensors(args.q, args.k, args.v)
-    state = None if args.state is None else args.state.contiguous()
+    state = dense(args.state)
     o, new_state = decode_step(q, k, v, state, log2_decay_tensor(args.decay, q.device))
     return _back(o, args.v), new_state

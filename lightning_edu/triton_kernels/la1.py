@@ -43,7 +43,7 @@ import triton.language as tl
 from ..validation import device_decay, validate_attention_args, validate_block_size, validate_decay, validate_head_dims
 from ..torch_chunked import first_derivative_only
 from ._tiles import (
-    apply_decay, cdiv, clear_flag, decay_tile, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite,
+    apply_decay, cdiv, clear_flag, decay_tile, dense, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite,
     flagged_range, launch, pad_dim, poison, refuse_interpreted_bf16, stored_nonfinite,
 )
 
@@ -358,7 +358,7 @@ def _prepare(who, q, k, v, decay, block_size, do=None):
     # fp32 tiles are twice as wide in bytes: 32 rows keep the pipelined K/V tiles inside shared memory at d = 128.
     block = args.block_size or ((32 if q.dtype == torch.float32 else 64) if q.is_cuda else 16)
     decay_t = device_decay(args.decay, q.device, torch.float32)
-    tensors = [x.contiguous() for x in (q, k, v) + ((do,) if do is not None else ())]
+    tensors = [dense(x) for x in (q, k, v) + ((do,) if do is not None else ())]
     meta = dict(
         # tl.dot wants every side >= 16 and a power of two: head dims padded, padded columns masked to 0 on load.
         D_K=args.d_k, D_V=args.d_v, PAD_K=pad_dim(args.d_k), PAD_V=pad_dim(args.d_v),

@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from ._tiles import (
-    apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    flagged_range, head_offset, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
+    aligned, apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
+    dense, flagged_range, head_offset, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
@@ -350,14 +350,15 @@ def _addressable(x) -> bool:
 
 def in_place(x):
     """``x`` itself when the kernels can read it where it lies: its head dim contiguous (the last stride 1) and
-    every row of a head within 32-bit offsets of the head's start. Else a contiguous copy.
+    every row of a head within 32-bit offsets of the head's start, and x starts on a 16-byte boundary. Else a
+    contiguous, aligned copy (:func:`~._tiles.dense`).
 
     A model's q, k and v are usually views of one projection, (batch, n, 3, heads, d) permuted to (batch, heads,
     n, d): copying each into (batch, heads, n, d) order, and the output back, would cost four trips through
     memory per call that the kernels avoid by taking strides. An expanded gradient (``o.sum()``'s has stride 0
     everywhere) is copied.
     """
-    return x if _addressable(x) else x.contiguous()
+    return x if _addressable(x) and aligned(x) else dense(x)  # a fresh allocation (output_like's) is aligned
 
 
 def output_like(x):
@@ -500,7 +501,7 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None 
     bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
     refuse_interpreted_bf16("la2_fast_forward", q, k, v)
     block, block_dv, num_warps, num_stages = backend_tiles(q, v, block, block_dv, num_warps, num_stages)
-    s0 = initial_state.float().contiguous() if initial_state is not None else None
+    s0 = dense(initial_state.float()) if initial_state is not None else None
     o, sn, aux = _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len,
                                store_incoming=save_states)
     return (o, sn, (aux["seg_len"], aux["incoming"])) if save_states else (o, sn)
@@ -546,7 +547,7 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
 def dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved):
     """dQ: the forward with (query, key, value) = (dO, V, K); its state is KV^T, starting from S0^T. With
     ``saved`` (the forward's segment states) no pre-pass over K and V runs. dQ is laid out as q (output_like)."""
-    s0t = initial_state.float().transpose(-1, -2).contiguous() if initial_state is not None else None
+    s0t = dense(initial_state.float().transpose(-1, -2)) if initial_state is not None else None
     cfg = (block, block_dv, num_warps, num_stages)
     if saved is not None and saved[1] is not None:  # KV at each segment start: dQ's states are KV^T (seg_t)
         return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, saved[0], incoming=saved[1], seg_t=True,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..validation import validate_head_dims
 from ._tiles import (
-    apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
+    apply_decay, cdiv, clear_flag, decay_tile, dense, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
     flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16,
 )
 
@@ -307,7 +307,7 @@ def la2_literal_forward(q, k, v, log2_decay, initial_state=None, block: int = 64
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     block_dv = min(pad_dim(d_v), 64)
     grid = (batch * heads, cdiv(d_v, block_dv))
-    s0 = initial_state.float().contiguous() if initial_state is not None else sn
+    s0 = dense(initial_state.float()) if initial_state is not None else sn
     programs = grid[0] * grid[1]
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
     args = (q, k, v, o, s0, sn, flags, log2_decay, n, heads, programs)
@@ -337,7 +337,7 @@ def la2_literal_backward(q, k, v, do, log2_decay, initial_state=None, d_final_st
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     ds0 = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     block_dk = min(pad_dim(d_k), 64)
-    s0 = initial_state.float().contiguous() if initial_state is not None else ds0
+    s0 = dense(initial_state.float()) if initial_state is not None else ds0
     grid = (batch * heads, cdiv(d_k, block_dk))
     programs = grid[0] * grid[1]
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)  # also serves dK/dV: batch*heads <= programs
@@ -347,7 +347,7 @@ def la2_literal_backward(q, k, v, do, log2_decay, initial_state=None, d_final_st
     launch(la2_literal_dq_kernel, grid)(*args, **meta)  # fast pass, then the flagged programs exactly (_tiles)
     safe_grid, scan = exact_pass_grid(programs, q.device)
     launch(la2_literal_dq_kernel, safe_grid)(*args, **meta, SAFE=True, SCAN=scan)
-    dsn = d_final_state.float().contiguous() if d_final_state is not None else ds0
+    dsn = dense(d_final_state.float()) if d_final_state is not None else ds0
     args = (q, k, v, do, dk, dv, dsn, ds0, flags, log2_decay, n, heads, batch * heads)
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k), PAD_V=pad_dim(d_v), BLOCK=block,
                 HAS_DSN=d_final_state is not None, PRECISION=dot_precision(q), num_warps=8)

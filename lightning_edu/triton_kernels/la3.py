@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ..validation import validate_head_dims
 from ._tiles import (
-    apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
+    apply_decay, cdiv, clear_flag, decay_tile, dense, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
     flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 from .la2_fast import (
@@ -208,7 +208,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     if chunk % micro:
         raise ValueError(f"chunk must be a multiple of micro, got chunk = {chunk}, micro = {micro}")
     like = (k, v)  # dk, dv are returned laid out as k, v (output_like), as la2_fast's passes return theirs
-    q, k, v, do = (x.contiguous() for x in (q, k, v, do))  # the micro-chunk kernel addresses contiguous heads
+    q, k, v, do = (dense(x) for x in (q, k, v, do))  # the micro-chunk kernel addresses contiguous, aligned heads
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
     validate_head_dims(d_k, d_v, MAX_HEAD_DIM, "la3")
