@@ -207,3 +207,32 @@ def test_the_fast_launch_gives_the_bits_of_tritons_launch(device, monkeypatch):
         assert before > 0
         for a, b, name in zip(got, want, ("o", "final state", "dq", "dk", "dv", "d initial state")):
             assert torch.equal(a, b), f"{name} at {shape}, {dtype}: fast launch and Triton's launch disagree"
+
+
+def test_the_fast_launch_key_holds_every_constexpr_by_value():
+    """The row strides of la2_fast's kernels are constexprs passed by position: launches on two layouts that differ
+    only there (rows 32 and 48 elements apart; every other stride divisible by 16 in both) must not share a key,
+    or the second would run the kernel compiled for the first one's strides (wrong addresses: wrong results, or an
+    illegal memory access). Launches recorded on the CPU (the interpreter's kernels), keyed as on a GPU."""
+    from lightning_edu.triton_kernels import la2_fast
+
+    recorded = []
+
+    def recording_launch(kernel, grid):
+        def call(*args, **meta):
+            recorded.append((kernel, args, meta))
+            return _tiles.launch(kernel, grid)(*args, **meta)
+        return call
+
+    def keys(row_stride, shift=0.0):
+        recorded.clear()
+        q, k, v = ((torch.randn(1, 2, 48, row_stride) + shift)[..., :16] for _ in range(3))
+        la2_fast.la2_fast_forward(q, k, v, torch.full((2,), -0.1), block=16, num_warps=4, num_stages=1)
+        return [_tiles.launch_key(kernel, args, meta, 0) for kernel, args, meta in recorded]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(la2_fast, "launch", recording_launch)
+        rows_32, rows_48, rows_32_again = keys(32), keys(48), keys(32, shift=1.0)
+    assert len(rows_32) == len(rows_48) >= 2
+    assert all(a != b for a, b in zip(rows_32, rows_48)), "launches with other row strides share a key"
+    assert rows_32_again == rows_32, "the same layout and dtypes should share their launch keys"

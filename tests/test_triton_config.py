@@ -141,6 +141,17 @@ def test_segments_round_down_at_the_benchmarks_shapes():
     assert choose_segments(64, 8192, 64, 132)[0] == 4  # not 5
 
 
+def test_a_short_sequence_is_one_segment_on_a_gpu_only():
+    from lightning_edu.triton_kernels.la2_fast import SHORT_BLOCKS, short_blocks
+
+    assert short_blocks(torch.device("cuda")) == SHORT_BLOCKS == 4 and short_blocks(torch.device("cpu")) == 0
+    for n in (1, 100, 256):  # up to 4 blocks of 64: one segment, no pre-pass
+        assert choose_segments(4, n, 64, 132, short=4) == (1, 256 if n > 192 else -(-n // 64) * 64)
+    assert choose_segments(4, 257, 64, 132, short=4)[0] == 5  # 5 blocks: one segment each, as without the rule
+    assert choose_segments(4, 256, 64, 132) == (4, 64)  # the interpreter's rule (short=0): segments as before
+    assert choose_segments(4, 256, 64, 132, seg_len=128, short=4) == (2, 128)  # a given seg_len is kept
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_prepass_streams_32_row_blocks_in_16_bit(dtype):
     assert prepass_tiles(dtype, 4096, 64, 4, 2) == (32, 4, 4)

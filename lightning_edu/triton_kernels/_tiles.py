@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import os
 
 import torch
@@ -75,7 +76,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 __all__ = [
-    "launch", "FAST_LAUNCH", "aligned", "dense", "compile_ahead", "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
+    "launch", "FAST_LAUNCH", "launch_key", "aligned", "dense", "compile_ahead", "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
     "head_start", "head_offset", "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
     "clear_flag", "flag_nonfinite",
 ]
@@ -104,14 +105,30 @@ def launch(kernel, grid):
 
 
 def _spec(x):
-    """What Triton may specialise one argument on, or more: a tensor's dtype and whether its address is
-    16-byte aligned; an integer's divisibility by 16, whether it is 1, and its width (i32, i64, u64); a None; a
-    bool's value; any other value's type."""
-    if isinstance(x, torch.Tensor):
-        return x.dtype, x.data_ptr() % 16 == 0
+    """What Triton may specialise a (not constexpr) argument on, or more: an integer's divisibility by 16, whether
+    it is 1, and its width (i32, i64, u64); a tensor's dtype and whether its address is 16-byte aligned; a None;
+    a bool's value; any other value's type."""
     if type(x) is int:
         return x % 16 == 0, x == 1, -2**31 <= x < 2**31, x < 2**63
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.data_ptr() % 16 == 0
     return x if x is None or type(x) is bool else type(x)
+
+
+_CONSTEXPR: dict = {}  # kernel -> for each parameter, whether it is a tl.constexpr
+
+
+def launch_key(kernel, args, meta, device: int) -> tuple:
+    """The key of :func:`_fast_launch`: the kernel, the device (an index), Triton's debug and instrumentation settings, the
+    keyword arguments (constexprs and options) by value, the positional constexprs by value, and :func:`_spec`
+    of every other positional argument. Two launches with one key compile to one kernel."""
+    constexpr = _CONSTEXPR.get(kernel)
+    if constexpr is None:  # as Triton tells one (KernelParam.is_constexpr), from the kernel's Python signature
+        constexpr = _CONSTEXPR[kernel] = tuple("constexpr" in str(p.annotation)
+                                               for p in inspect.signature(kernel.fn).parameters.values())
+    return (kernel, device, triton.knobs.runtime.debug,
+            triton.knobs.compilation.instrumentation_mode, tuple(meta.items()),
+            tuple([x if const else _spec(x) for x, const in zip(args, constexpr)]))
 
 
 def _fast_launch(kernel, grid, *args, **meta):
@@ -121,9 +138,9 @@ def _fast_launch(kernel, grid, *args, **meta):
     of la2_fast took 20-43 us (binding and specialising 26 arguments, the cache key, the stream, launch metadata)
     when the compiled kernel's own launcher takes 6-11 us, and a forward + backward launches 8-10 kernels.
 
-    How. The key is everything Triton specialises a launch on, or finer (:func:`_spec` of every argument, the
-    constexprs and options in ``meta``, the device, Triton's debug and instrumentation settings): two launches
-    with one key compile to one kernel. The first launch with a key goes through ``kernel[grid]`` (compiling if
+    How. The key (:func:`launch_key`) holds everything Triton specialises a launch on, or finer: every constexpr
+    by value, whether passed by keyword or by position (a row stride is one), and what Triton reads of every
+    other argument (:func:`_spec`). Two launches with one key compile to one kernel. The first launch with a key goes through ``kernel[grid]`` (compiling if
     needed) and keeps the compiled kernel it returns; later ones call that kernel's launcher as Triton does, with the
     same arguments, launch metadata and launch hooks (profilers use them). A kernel with pre-run hooks launches
     the slow way. What is skipped: Triton's check that the kernel's global variables have not changed since it
@@ -131,18 +148,18 @@ def _fast_launch(kernel, grid, *args, **meta):
     """
     if kernel.pre_run_hooks:
         return kernel[grid](*args, **meta)
-    runtime = triton.knobs.runtime
-    device = torch.cuda.current_device()
-    key = (kernel, device, runtime.debug, triton.knobs.compilation.instrumentation_mode, tuple(meta.items()),
-           tuple(map(_spec, args)))
+    key = launch_key(kernel, args, meta, torch.cuda.current_device())
     hit = _LAUNCHED.get(key)
     if hit is None:
         compiled = kernel[grid](*args, **meta)
         rest = tuple(meta[p.name] if p.name in meta else p.default for p in kernel.params[len(args):])
+        if len(_LAUNCHED) >= 4096:  # a sweep over many lengths or constants starts again
+            _LAUNCHED.clear()
         _LAUNCHED[key] = (compiled, rest)
         return compiled
     compiled, rest = hit
-    stream = torch._C._cuda_getCurrentRawStream(device)
+    runtime = triton.knobs.runtime
+    stream = torch._C._cuda_getCurrentRawStream(key[1])
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *args, *rest),
                  runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *rest)

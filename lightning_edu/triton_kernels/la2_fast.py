@@ -40,7 +40,7 @@ from ._tiles import (
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
-           "finish_backward", "segment_states", "in_place", "output_like", "in_layout_of"]
+           "finish_backward", "segment_states", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
 
 
 @triton.jit
@@ -390,8 +390,20 @@ def _sm_count(device) -> int:
     return sm_count(device)  # 4 in the interpreter: a few segments, so CPU tests exercise the segmented path
 
 
-def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: int | None = None) -> tuple[int, int]:
-    """(num_segments, seg_len): as many segments as keep ``programs * num_segments`` within two programs per SM.
+SHORT_BLOCKS = 4
+"""On a GPU, a sequence of at most this many blocks is one segment (:func:`choose_segments`' ``short``)."""
+
+
+def short_blocks(device) -> int:
+    """``short`` of :func:`choose_segments` on ``device``: :data:`SHORT_BLOCKS` on a GPU, 0 in the interpreter (where
+    short sequences are cut into segments, so that CPU tests exercise the segmented path)."""
+    return SHORT_BLOCKS if device.type == "cuda" else 0
+
+
+def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: int | None = None,
+                    short: int = 0) -> tuple[int, int]:
+    """(num_segments, seg_len): as many segments as keep ``programs * num_segments`` within two programs per SM;
+    one segment for a sequence of at most ``short`` blocks.
 
     Two programs of the backend's 16-bit kernels fit on an SM at once (registers and shared memory), so up to
     ``2 * sm_count`` programs run as one wave. One program more starts a second wave, in which a few programs run
@@ -399,10 +411,18 @@ def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: i
     programs) made the forward 1.21-1.25x slower than rounding it down (16 segments, 256 programs) on an H100
     (bf16, d = 128: 1.82 against 1.46 ms at 1 x 128K tokens, 0.447 against 0.375 ms at 4 x 8K; chapter 07).
     seg_len is a multiple of ``block`` so every segment but the last is made of whole blocks.
+
+    Short sequences. Segments cost launches: a pre-pass before the pass, in the forward and in the backward, and
+    on a short call the host's time is the call's time. On an H100 (bf16, d = 64, 1 x 4 heads x 256 tokens,
+    forward + backward) one segment instead of four took 0.97 against 1.10 ms of host time per call
+    (``lightning_attention``), while the GPU's time alone (the call replayed as a CUDA graph) went from 27 to
+    36 us; at d = 128 from 44 to 57 us. The backend passes ``short`` = :data:`SHORT_BLOCKS` on a GPU.
     """
     if seg_len is None:
         want = max(1, 2 * sm_count // max(programs, 1))
         blocks = cdiv(n, block)
+        if blocks <= short:
+            want = 1
         per_seg = cdiv(blocks, min(want, blocks))
         seg_len = per_seg * block
     if seg_len % block:
@@ -448,7 +468,8 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
         block_dv = 64 if batch * heads >= _sm_count(q.device) else 128
     block_dv = min(pad_dim(d_v), block_dv)
     slices = cdiv(d_v, block_dv)
-    num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len)
+    num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len,
+                                       short_blocks(q.device))
     o = output_like(v) if out is None else out  # for a view of a (batch, n, heads, d) projection: that layout
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=dot_precision(q))
@@ -511,8 +532,9 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
                       block_dv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                       seg_len: int | None = None,
                       fused_dkdv: bool = False, dkdv_block: int | None = None, dkdv_warps: int = 8,
-                      dkdv_stages: int | None = None, saved=None):
-    """Segmented backward. Returns (dq, dk, dv, d_initial_state fp32).
+                      dkdv_stages: int | None = None, saved=None, d_initial_state: bool = True):
+    """Segmented backward. Returns (dq, dk, dv, d_initial_state fp32); None in place of d_initial_state when
+    ``d_initial_state`` is False (autograd asks for it only when an initial state requires a gradient).
 
     By default the backward is three runs of the forward kernel: dQ = forward(dO, V, K) from S0^T, and in
     reversed time dV = forward(K, Q, dO) and dK = forward(V, dO, Q). ``fused_dkdv=True`` runs dK and dV
@@ -541,7 +563,7 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
         # dK's segment states are dV's, transposed: read in place (seg_t)
         dk, _, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg, aux["seg_len"],
                                  local_states=None if one_segment else aux["local"], seg_t=True, out=output_like(k))
-    return finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end)
+    return finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_initial_state)
 
 
 def dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved):
@@ -555,15 +577,21 @@ def dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, 
     return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, out=output_like(q))[0]
 
 
-def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end):
+def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_initial_state: bool = True):
     """The terms a reverse sweep leaves out: dL/dS0 from the sweep's last state ``x_end``, and what the
-    final state's gradient ``d_final_state`` adds to dK, dV and dS0. Returns (dq, dk, dv, d_initial_state)."""
+    final state's gradient ``d_final_state`` adds to dK, dV and dS0. Returns (dq, dk, dv, d_initial_state), the
+    last None when not asked for (``d_initial_state`` False)."""
     import torch
 
     heads, n = q.shape[1], q.shape[2]
     # x_end = sum_t lambda^t q_t^T do_t (0-based t); dL/dS0 = sum_t lambda^(t+1) q_t^T do_t (+ lambda^n dSN).
     # Two small ops on the usual path (no final-state gradient): each costs the host ~15 us, as much as
-    # the GPU takes for it, and a short backward is bound by the host.
+    # the GPU takes for it, and a short backward is bound by the host: skipped when dL/dS0 is not wanted.
+    if not d_initial_state:
+        if d_final_state is None:
+            return dq, dk, dv, None
+        dq, dk, dv, _ = finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end)
+        return dq, dk, dv, None
     lam = torch.exp2(log2_decay.float()).view(1, heads, 1, 1)
     ds0 = x_end.mul_(lam)  # x_end is this backward's own fp32 buffer
     if d_final_state is not None:
@@ -609,7 +637,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     dkdv_stages = dkdv_stages or num_stages
     if seg_len is not None and seg_len % block:
         seg_len = cdiv(seg_len, block) * block
-    num_seg, seg_len_ = choose_segments(batch * heads, n, block, _sm_count(q.device), seg_len)
+    num_seg, seg_len_ = choose_segments(batch * heads, n, block, _sm_count(q.device), seg_len, short_blocks(q.device))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)

@@ -39,6 +39,7 @@ from ._tiles import (
 )
 from .la2_fast import (
     _incoming_state, backend_tiles, choose_segments, dq_pass, finish_backward, in_layout_of, segment_states,
+    short_blocks,
 )
 
 __all__ = ["la3_backward", "la3_dkdv", "la3_tiles", "MAX_HEAD_DIM"]
@@ -220,7 +221,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
         micro = 16
     if seg_len is not None and seg_len % chunk:
         seg_len = cdiv(seg_len, chunk) * chunk
-    num_seg, seg_len = choose_segments(batch * heads, n, chunk, sm_count(q.device), seg_len)
+    num_seg, seg_len = choose_segments(batch * heads, n, chunk, sm_count(q.device), seg_len, short_blocks(q.device))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
@@ -241,9 +242,9 @@ def la3_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None
                  block_dv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                  seg_len: int | None = None,
                  saved=None, chunk: int | None = None, micro: int | None = None, dkdv_warps: int | None = None,
-                 dkdv_stages: int | None = None):
+                 dkdv_stages: int | None = None, d_initial_state: bool = True):
     """The recompute-heavy backward. Returns (dq, dk, dv, d_initial_state fp32); the signature of
-    la2_fast_backward, plus the dK/dV kernel's tiles (``chunk``, ``micro``, ``dkdv_warps``, ``dkdv_stages``;
+    la2_fast_backward (``d_initial_state`` False: None in its place), plus the dK/dV kernel's tiles (``chunk``, ``micro``, ``dkdv_warps``, ``dkdv_stages``;
     defaults from :func:`la3_tiles`); dQ's tiles left None are the backend's (:func:`~.la2_fast.backend_tiles`).
     Head dims up to 128 (ValueError beyond, before anything runs).
 
@@ -261,4 +262,4 @@ def la3_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None
     tiles.update({key: val for key, val in (("chunk", chunk), ("micro", micro), ("num_warps", dkdv_warps),
                                               ("num_stages", dkdv_stages)) if val is not None})
     dk, dv, x_end = la3_dkdv(q, k, v, do, log2_decay, **tiles, seg_len=seg_len)
-    return finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end)
+    return finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_initial_state)

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from ..torch_chunked import decay_gradient, first_derivative_only
 from ._tiles import cdiv, compile_ahead, interpreted, pad_dim, sm_count, upcast_for_interpreter
-from .la2_fast import choose_segments, la2_fast_forward, output_like
+from .la2_fast import choose_segments, la2_fast_forward, output_like, short_blocks
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
            "compute_dtype", "COMPILE_AHEAD", "ahead_key"]
@@ -89,7 +89,7 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None) -> tuple[di
     if block_dv is None:  # as la2_fast._forward_form: split d_v only when (batch, head) programs fill the chip
         block_dv = 64 if batch * heads >= sms else 128
     slices = cdiv(d_v, min(pad_dim(d_v), block_dv))
-    num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sms)
+    num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sms, None, short_blocks(q.device))
     return cfg, seg_len, num_seg
 
 
@@ -169,11 +169,13 @@ def _la2_forward_fake(q, k, v, log2_decay, initial_state=None, block_size=None, 
 
 
 def backward_impl(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tensor, initial_state: Tensor | None,
-                  d_final_state: Tensor | None, incoming: Tensor,
-                  block_size: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  d_final_state: Tensor | None, incoming: Tensor, block_size: int | None = None,
+                  d_initial_state: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """What ``lightning_edu::la2_backward`` runs (and :class:`EagerLA2`'s backward): (dq, dk, dv in q's, k's,
     v's dtypes, d_initial_state fp32) by the backend's backward kernel
-    (:func:`~lightning_edu.triton_kernels.backward_kernel`), its dQ pass started from ``incoming``."""
+    (:func:`~lightning_edu.triton_kernels.backward_kernel`), its dQ pass started from ``incoming``. With
+    ``d_initial_state`` False (the eager door, when no initial state needs a gradient) None comes back in its
+    place and its two small torch ops are skipped."""
     from . import backward_kernel
 
     cfg, seg_len, num_seg = launch_plan(q, v, block_size)
@@ -184,7 +186,8 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tenso
     qc, kc, vc, doc = upcast_for_interpreter(q, k, v, do)
     backward = backward_kernel(qc.shape[-1], vc.shape[-1], qc.dtype)
     dq, dk, dv, ds0 = backward(qc, kc, vc, doc, log2_decay.float().contiguous(), initial_state, d_final_state,
-                               saved=(seg_len, incoming if num_seg > 1 else None), **cfg)
+                               saved=(seg_len, incoming if num_seg > 1 else None), d_initial_state=d_initial_state,
+                               **cfg)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), ds0
 
 
@@ -260,7 +263,9 @@ class EagerLA2(torch.autograd.Function):
     def backward(ctx, do, d_sn, d_incoming):
         # Under create_graph=True the kernels' backward becomes a node that refuses to be differentiated again,
         # as the op's does, rather than let a second derivative come back without the attention's term.
+        need_ds0 = ctx.needs_input_grad[4]  # an initial state that requires a gradient
+
         def kernels(*args):
-            return first_derivative_only("the triton backend", backward_impl, *args)
+            return first_derivative_only("the triton backend", backward_impl, *args, need_ds0)
 
         return _backward(ctx, do, d_sn, d_incoming, backward=kernels)
