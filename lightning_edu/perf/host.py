@@ -5,18 +5,20 @@
 
 On a short sequence the kernels finish before the host has launched the next one, so the host's time per call
 is the call's time. Each row times the same forward + backward (bf16, 1 x 4 heads x T tokens, per-head decay
-as a CUDA tensor, gradients set to None after each call, as a training step does); the first three rows add
-one layer of the call at a time, the fourth is the public function:
+as a CUDA tensor, gradients set to None after each call, as a training step does); rows 2-4 add one layer of
+the call at a time, the fifth is the public function:
 
-1. ``kernels``: the launchers alone (:func:`~lightning_edu.triton_kernels.ops.forward_impl`, then
+1. ``kernels, Triton's launch``: row 2 with every kernel launched through Triton's ``kernel[grid]``
+   (``_tiles.FAST_LAUNCH`` off), for the cost of Triton's launch-time work;
+2. ``kernels``: the launchers alone (:func:`~lightning_edu.triton_kernels.ops.forward_impl`, then
    :func:`~lightning_edu.triton_kernels.ops.backward_impl` on the saved states), no autograd;
-2. ``autograd Function``: the same, as :class:`~lightning_edu.triton_kernels.ops.EagerLA2` under autograd;
-3. ``custom op``: the same, through the dispatcher, as the op ``lightning_edu::la2_forward`` and its registered
+3. ``autograd Function``: the same, as :class:`~lightning_edu.triton_kernels.ops.EagerLA2` under autograd;
+4. ``custom op``: the same, through the dispatcher, as the op ``lightning_edu::la2_forward`` and its registered
    backward (what :func:`torch.compile` calls);
-4. ``lightning_attention``: the public function (validation, the decay's log2, the eager door of row 2).
+5. ``lightning_attention``: the public function (validation, the decay's log2, the eager door of row 3).
 
 Host microseconds per call, the median and the minimum over interleaved rounds (each round runs every row
-``calls`` times between two synchronisations, so drifts of the machine hit every row alike); and, for row 1,
+``calls`` times between two synchronisations, so drifts of the machine hit every row alike); and, for row 2,
 its time by device events (``triton.testing.do_bench``), which on a call this short includes the GPU's idle
 gaps while it waits for the host. One JSON record with the machine, versions, commit.
 """
@@ -30,14 +32,14 @@ import time
 
 __all__ = ["ROWS", "measure", "main"]
 
-ROWS = ("kernels", "autograd Function", "custom op", "lightning_attention")
+ROWS = ("kernels, Triton's launch", "kernels", "autograd Function", "custom op", "lightning_attention")
 
 
 def _calls(d: int, T: int, heads: int = 4):
     import torch
 
     from .. import lightning_attention
-    from ..triton_kernels import log2_decay_tensor
+    from ..triton_kernels import _tiles, log2_decay_tensor
     from ..triton_kernels.ops import EagerLA2, backward_impl, forward_impl, la2_forward
     from .bench import head_decays
 
@@ -56,7 +58,15 @@ def _calls(d: int, T: int, heads: int = 4):
         _, _, incoming = forward_impl(q, k, v, l2, None, None, True)
         backward_impl(q, k, v, do, l2, None, None, incoming)
 
+    def tritons_launch():
+        _tiles.FAST_LAUNCH = False
+        try:
+            kernels()
+        finally:
+            _tiles.FAST_LAUNCH = True
+
     return {
+        "kernels, Triton's launch": tritons_launch,
         "kernels": kernels,
         "autograd Function": lambda: step(EagerLA2.apply(*leaves, l2, None, None, True)[0]),
         "custom op": lambda: step(la2_forward(*leaves, l2, None, None, True)[0]),
@@ -85,7 +95,7 @@ def measure(d: int = 64, T: int = 256, rounds: int = 15, calls: int = 20) -> lis
             torch.cuda.synchronize()
     rows = [{"layer": name, "host_us_median": round(statistics.median(xs), 1), "host_us_min": round(min(xs), 1)}
             for name, xs in samples.items()]
-    rows[0]["gpu_us"] = round(triton.testing.do_bench(fns["kernels"], warmup=25, rep=200) * 1e3, 1)
+    rows[ROWS.index("kernels")]["gpu_us"] = round(triton.testing.do_bench(fns["kernels"], warmup=25, rep=200) * 1e3, 1)
     return rows
 
 
