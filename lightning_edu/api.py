@@ -53,7 +53,8 @@ def lightning_attention(
     Returns o (batch, heads, n, d_v), or (o, KV_n) with ``return_state=True``.
 
     Any strides will do. The "triton" backend reads q, k and v where they lie when their head dim is contiguous
-    (a model's views of one projection, ``qkv(x).view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)``, are not copied)
+    and they start on a 16-byte boundary, as every tensor torch allocates does (a model's views of one
+    projection, ``qkv(x).view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)``, are not copied; a view at an odd offset is)
     and returns o laid out as v (there: (batch, n, heads, d), so that ``o.transpose(1, 2).reshape(b, n, h * d)``
     is free), each gradient laid out as its input (chapter 07).
 

@@ -89,7 +89,7 @@ FAST_LAUNCH = True
 """Whether :func:`launch` on a GPU launches a kernel it has launched before with the same specialisation
 directly (:func:`_fast_launch`). Set it to False to send every launch through Triton's ``kernel[grid]``."""
 
-_LAUNCHED: dict = {}  # _fast_key -> (compiled kernel, the values of the parameters not passed by position)
+_LAUNCHED: dict = {}  # launch_key -> (compiled kernel, the values of the parameters not passed by position)
 
 
 def launch(kernel, grid):
@@ -119,9 +119,9 @@ _CONSTEXPR: dict = {}  # kernel -> for each parameter, whether it is a tl.conste
 
 
 def launch_key(kernel, args, meta, device: int) -> tuple:
-    """The key of :func:`_fast_launch`: the kernel, the device (an index), Triton's debug and instrumentation settings, the
-    keyword arguments (constexprs and options) by value, the positional constexprs by value, and :func:`_spec`
-    of every other positional argument. Two launches with one key compile to one kernel."""
+    """The key of :func:`_fast_launch`: the kernel, the device (an index), Triton's debug and instrumentation
+    settings, the keyword arguments (constexprs and options) by value, the positional constexprs by value, and
+    :func:`_spec` of every other positional argument. Two launches with one key compile to one kernel."""
     constexpr = _CONSTEXPR.get(kernel)
     if constexpr is None:  # as Triton tells one (KernelParam.is_constexpr), from the kernel's Python signature
         constexpr = _CONSTEXPR[kernel] = tuple("constexpr" in str(p.annotation)
@@ -134,17 +134,18 @@ def launch_key(kernel, args, meta, device: int) -> tuple:
 def _fast_launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, with Triton's launch-time work done once per specialisation.
 
-    Why. A short call of the backend is bound by the host: on an H100 machine's host each ``kernel[grid]`` launch
-    of la2_fast took 20-43 us (binding and specialising 26 arguments, the cache key, the stream, launch metadata)
-    when the compiled kernel's own launcher takes 6-11 us, and a forward + backward launches 8-10 kernels.
+    Why. A short call of the backend is bound by the host: on an H100 machine's host (Triton 3.6) each
+    ``kernel[grid]`` launch of la2_fast took 20-43 us (binding and specialising 26 arguments, the cache key, the
+    stream, launch metadata) when the compiled kernel's own launcher takes 6-11 us, and a forward + backward
+    launches 6 to 10 kernels.
 
     How. The key (:func:`launch_key`) holds everything Triton specialises a launch on, or finer: every constexpr
     by value, whether passed by keyword or by position (a row stride is one), and what Triton reads of every
-    other argument (:func:`_spec`). Two launches with one key compile to one kernel. The first launch with a key goes through ``kernel[grid]`` (compiling if
-    needed) and keeps the compiled kernel it returns; later ones call that kernel's launcher as Triton does, with the
-    same arguments, launch metadata and launch hooks (profilers use them). A kernel with pre-run hooks launches
-    the slow way. What is skipped: Triton's check that the kernel's global variables have not changed since it
-    was compiled (this package's kernels read none).
+    other argument (:func:`_spec`). Two launches with one key compile to one kernel. The first launch with a key
+    goes through ``kernel[grid]`` (compiling if needed) and keeps the compiled kernel it returns; later ones call
+    that kernel's launcher as Triton does, with the same arguments, launch metadata and launch hooks (profilers
+    use them). A kernel with pre-run hooks launches the slow way. What is skipped: Triton's check that the
+    kernel's global variables have not changed since it was compiled (this package's kernels read none).
     """
     if kernel.pre_run_hooks:
         return kernel[grid](*args, **meta)
@@ -259,11 +260,11 @@ def dense(x):
     (a fresh allocation, which is aligned); None as None. The kernels are handed only aligned tensors.
 
     Why. Triton specialises a launch on whether each pointer is 16-byte aligned and compiles another kernel
-    when one is not, with narrower loads. On an H100 (Triton 3.6) the la2_fast kernels compiled for a 16-bit key
-    tensor offset by one element from an aligned start gave wrong results at d_k = 64, d_v = 32 (dV off by 73 %)
-    and read outside their tensors at others (an illegal memory access), where the same values from an aligned
-    copy were right. A copy costs one trip through memory, on inputs that are rare: torch aligns every tensor
-    it allocates."""
+    when one is not, with narrower loads. On an H100 (Triton 3.6) la2_fast's main kernel compiled for a 16-bit
+    key tensor one element off an aligned start was wrong at d_k = 64, d_v = 32 (o off by 82 % of its largest
+    entry; dV, whose pass reads Q as its key, by 73-75 %), and with one pipeline stage it read outside its
+    tensors (an illegal memory access); the same values from an aligned copy were right (chapter 07). A copy
+    costs one trip through memory, for inputs that are rare: torch aligns every tensor it allocates."""
     if x is None or (x.is_contiguous() and aligned(x)):
         return x
     return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
