@@ -629,7 +629,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     import torch
 
     like = (k, v)  # dk, dv are returned laid out as k, v (output_like), as la2_fast's other passes return them
-    q, k, v, do = (x.contiguous() for x in (q, k, v, do))  # this kernel addresses contiguous heads (head_start)
+    q, k, v, do = (dense(x) for x in (q, k, v, do))  # this kernel addresses contiguous, aligned heads (head_start)
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
     # dK, dV: one reverse sweep over the shared state dKV.
