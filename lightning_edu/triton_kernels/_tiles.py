@@ -135,9 +135,9 @@ def _fast_launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, with Triton's launch-time work done once per specialisation.
 
     Why. A short call of the backend is bound by the host: on an H100 machine's host (Triton 3.6) each
-    ``kernel[grid]`` launch of la2_fast took 20-43 us (binding and specialising 26 arguments, the cache key, the
-    stream, launch metadata) when the compiled kernel's own launcher takes 6-11 us, and a forward + backward
-    launches 6 to 10 kernels.
+    ``kernel[grid]`` launch of the backend's kernels took 20-43 us (binding and specialising 13 to 26 arguments,
+    the cache key, the stream, launch metadata) when the compiled kernel's own launcher takes 6-11 us, and a
+    forward + backward launches 6 to 10 kernels.
 
     How. The key (:func:`launch_key`) holds everything Triton specialises a launch on, or finer: every constexpr
     by value, whether passed by keyword or by position (a row stride is one), and what Triton reads of every
@@ -262,8 +262,8 @@ def dense(x):
     Why. Triton specialises a launch on whether each pointer is 16-byte aligned and compiles another kernel
     when one is not, with narrower loads. On an H100 (Triton 3.6) la2_fast's main kernel compiled for a 16-bit
     key tensor one element off an aligned start was wrong at d_k = 64, d_v = 32 (o off by 82 % of its largest
-    entry; dV, whose pass reads Q as its key, by 73-75 %), and with one pipeline stage it read outside its
-    tensors (an illegal memory access); the same values from an aligned copy were right (chapter 07). A copy
+    entry; dV, whose pass reads Q as its key, by 73-75 %), and in bf16 with one pipeline stage it read outside
+    its tensors (an illegal memory access); the same values from an aligned copy were right (chapter 07). A copy
     costs one trip through memory, for inputs that are rare: torch aligns every tensor it allocates."""
     if x is None or (x.is_contiguous() and aligned(x)):
         return x
