@@ -111,7 +111,7 @@ def _spec(x):
     if type(x) is int:
         return x % 16 == 0, x == 1, -2**31 <= x < 2**31, x < 2**63
     if isinstance(x, torch.Tensor):
-        return x.dtype, x.data_ptr() % 16 == 0
+        return x.dtype, aligned(x)
     return x if x is None or type(x) is bool else type(x)
 
 

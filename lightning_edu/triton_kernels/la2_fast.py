@@ -587,15 +587,10 @@ def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_ini
     # x_end = sum_t lambda^t q_t^T do_t (0-based t); dL/dS0 = sum_t lambda^(t+1) q_t^T do_t (+ lambda^n dSN).
     # Two small ops on the usual path (no final-state gradient): each costs the host ~15 us, as much as
     # the GPU takes for it, and a short backward is bound by the host: skipped when dL/dS0 is not wanted.
-    if not d_initial_state:
-        if d_final_state is None:
-            return dq, dk, dv, None
-        dq, dk, dv, _ = finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end)
-        return dq, dk, dv, None
-    lam = torch.exp2(log2_decay.float()).view(1, heads, 1, 1)
-    ds0 = x_end.mul_(lam)  # x_end is this backward's own fp32 buffer
+    ds0 = None
+    if d_initial_state:
+        ds0 = x_end.mul_(torch.exp2(log2_decay.float()).view(1, heads, 1, 1))  # x_end: this backward's own fp32 buffer
     if d_final_state is not None:
-        lam = torch.exp2(log2_decay.double()).view(1, heads, 1, 1)  # float64: lam**n below magnifies its error n times
         # The final state's gradient reaches token t through lambda^(n-1-t): a rank-d update, done in torch in
         # fp32 (the kernels' accumulation precision), one term at a time.
         t = torch.arange(n, device=q.device, dtype=torch.float32)
@@ -603,7 +598,9 @@ def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_ini
         dsn = d_final_state.float()
         dk = dk.float().addcmul_(w, v.float() @ dsn.transpose(-1, -2)).to(k.dtype)
         dv = dv.float().addcmul_(w, k.float() @ dsn).to(v.dtype)
-        ds0 = (ds0.double() + lam**n * dsn.double()).float()
+        if d_initial_state:
+            lam = torch.exp2(log2_decay.double()).view(1, heads, 1, 1)  # float64: lam**n magnifies its error n times
+            ds0 = (ds0.double() + lam**n * dsn.double()).float()
     return dq, dk, dv, ds0
 
 

@@ -244,8 +244,8 @@ def la3_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None
                  saved=None, chunk: int | None = None, micro: int | None = None, dkdv_warps: int | None = None,
                  dkdv_stages: int | None = None, d_initial_state: bool = True):
     """The recompute-heavy backward. Returns (dq, dk, dv, d_initial_state fp32); the signature of
-    la2_fast_backward (``d_initial_state`` False: None in its place), plus the dK/dV kernel's tiles (``chunk``, ``micro``, ``dkdv_warps``, ``dkdv_stages``;
-    defaults from :func:`la3_tiles`); dQ's tiles left None are the backend's (:func:`~.la2_fast.backend_tiles`).
+    la2_fast_backward (``d_initial_state`` False: None in its place), plus the dK/dV kernel's tiles (``chunk``,
+    ``micro``, ``dkdv_warps``, ``dkdv_stages``; defaults from :func:`la3_tiles`); dQ's tiles left None are the backend's (:func:`~.la2_fast.backend_tiles`).
     Head dims up to 128 (ValueError beyond, before anything runs).
 
     dQ is la2_fast's dQ pass (from the forward's saved segment states when ``saved`` is given), its d_k cut
