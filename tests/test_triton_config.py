@@ -22,20 +22,34 @@ def test_16_bit_tiles_are_the_swept_ones(dtype, d, block, block_dv):
     assert (cfg["num_warps"], cfg["num_stages"]) == (4, 2)
 
 
-@pytest.mark.parametrize("d, block, block_dv", [(32, 64, None), (64, 64, None), (65, 32, None), (96, 32, None),
-                                                (128, 32, None), (256, 32, 64)])
-def test_fp32_tiles_halve_the_rows_above_d_64(d, block, block_dv):
+@pytest.mark.parametrize("d, block, block_dv, warps, stages", [
+    (16, 16, None, 4, 2), (64, 16, None, 4, 2), (65, 16, None, 8, 1), (128, 16, None, 8, 1), (256, 32, 64, 8, 2)])
+def test_fp32_tiles_on_a_gpu_are_16_rows_up_to_d_128(d, block, block_dv, warps, stages):
+    # exact fp32 dots run on the FMA units: larger tiles spill and compile longer (measured on an H100)
     cfg = kernel_config(d, d, torch.float32)
-    assert (cfg["block"], cfg["block_dv"]) == (block, block_dv)
-    assert cfg["num_warps"] == 8  # exact fp32 dots spill registers with 4 warps
-    assert cfg["num_stages"] == (1 if 64 < d <= 128 else 2)  # measured at d = 128: one stage runs faster
+    assert (cfg["block"], cfg["block_dv"], cfg["num_warps"], cfg["num_stages"]) == (block, block_dv, warps, stages)
+
+
+@pytest.mark.parametrize("d, block", [(32, 64), (64, 64), (65, 32), (128, 32), (256, 32)])
+def test_fp32_tiles_in_the_interpreter_keep_larger_blocks(d, block):
+    # in the interpreter a block costs per operation: fewer, larger blocks run faster there
+    cfg = kernel_config(d, d, torch.float32, interpreter=True)
+    assert cfg["block"] == block
+    assert {k: v for k, v in cfg.items() if k != "block"} == {k: v for k, v in kernel_config(d, d, torch.float32).items()
+                                                             if k != "block"}
+
+
+def test_16_bit_tiles_do_not_depend_on_the_interpreter():
+    for d in (32, 64, 128, 256):
+        assert kernel_config(d, d, torch.float16, interpreter=True) == kernel_config(d, d, torch.float16)
 
 
 def test_the_wider_head_dim_decides_and_block_size_overrides():
-    assert kernel_config(96, 16, torch.float32)["block"] == 32
-    assert kernel_config(16, 96, torch.float32)["block"] == 32
+    assert kernel_config(96, 16, torch.float32)["num_warps"] == 8
+    assert kernel_config(16, 96, torch.float32)["num_warps"] == 8
+    assert kernel_config(16, 96, torch.float32, interpreter=True)["block"] == 32
     assert kernel_config(16, 96, torch.bfloat16)["block"] == 64
-    assert kernel_config(96, 96, torch.float32, block_size=16)["block"] == 16
+    assert kernel_config(96, 96, torch.float32, block_size=64)["block"] == 64
     assert kernel_config(256, 256, torch.float32, block_size=64) == dict(block=64, block_dv=64, num_warps=8,
                                                                         num_stages=2)
 

@@ -15,24 +15,33 @@ the call at a time, the fifth is the public function:
 3. ``autograd Function``: the same, as :class:`~lightning_edu.triton_kernels.ops.EagerLA2` under autograd;
 4. ``custom op``: the same, through the dispatcher, as the op ``lightning_edu::la2_forward`` and its registered
    backward (what :func:`torch.compile` calls);
-5. ``lightning_attention``: the public function (validation, the decay's log2, the eager door of row 3).
+5. ``lightning_attention``: the public function (validation, the decay's log2, the eager door of row 3);
+6. ``lightning_attention, backward on the caller``: row 5 with autograd's engine told to run the backward on the
+   thread that calls ``backward()`` (``torch.autograd.set_multithreading_enabled(False)``) instead of handing it to
+   its CUDA device thread.
 
 Host microseconds per call, the median and the minimum over interleaved rounds (each round runs every row
 ``calls`` times between two synchronisations, so drifts of the machine hit every row alike); and, for row 2,
 its time by device events (``triton.testing.do_bench``), which on a call this short includes the GPU's idle
-gaps while it waits for the host. One JSON record with the machine, versions, commit.
+gaps while it waits for the host. The rows are measured twice: as the process runs by default (``results``),
+and again in a child process confined to one CPU core (``results_one_core``), where autograd's device thread
+runs on the core that the main thread left warm. One JSON record with the machine, versions, commit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 __all__ = ["ROWS", "measure", "main"]
 
-ROWS = ("kernels, Triton's launch", "kernels", "autograd Function", "custom op", "lightning_attention")
+ROWS = ("kernels, Triton's launch", "kernels", "autograd Function", "custom op", "lightning_attention",
+        "lightning_attention, backward on the caller")
 
 
 def _calls(d: int, T: int, heads: int = 4):
@@ -58,6 +67,10 @@ def _calls(d: int, T: int, heads: int = 4):
         _, _, incoming = forward_impl(q, k, v, l2, None, None, True)
         backward_impl(q, k, v, do, l2, None, None, incoming)
 
+    def on_caller():
+        with torch.autograd.set_multithreading_enabled(False):
+            step(lightning_attention(*leaves, decay, backend="triton"))
+
     def tritons_launch():
         _tiles.FAST_LAUNCH = False
         try:
@@ -71,6 +84,7 @@ def _calls(d: int, T: int, heads: int = 4):
         "autograd Function": lambda: step(EagerLA2.apply(*leaves, l2, None, None, True)[0]),
         "custom op": lambda: step(la2_forward(*leaves, l2, None, None, True)[0]),
         "lightning_attention": lambda: step(lightning_attention(*leaves, decay, backend="triton")),
+        "lightning_attention, backward on the caller": on_caller,
     }
 
 
@@ -106,19 +120,33 @@ def main(argv=None) -> int:
     parser.add_argument("out")
     parser.add_argument("--d", type=int, default=64)
     parser.add_argument("--T", type=int, default=256)
+    parser.add_argument("--rows-only", action="store_true", help="print the rows as JSON and write nothing")
     args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 2
-    command = "python -m lightning_edu.perf.host " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    if args.rows_only:
+        print(json.dumps(measure(args.d, args.T)))
+        return 0
+    argv = sys.argv[1:] if argv is None else argv
+    command = "python -m lightning_edu.perf.host " + " ".join(argv)
     record = {**environment_record(command), "shape": {"batch": 1, "heads": 4, "T": args.T, "d": args.d},
               "dtype": "bfloat16", "results": measure(args.d, args.T)}
+    # The same rows in a fresh process confined to one core (every thread it starts inherits the mask).
+    core = min(os.sched_getaffinity(0))
+    child = subprocess.run([sys.executable, "-m", "lightning_edu.perf.host", args.out, "--d", str(args.d),
+                            "--T", str(args.T), "--rows-only"], capture_output=True, text=True, check=True,
+                           preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    record["one_core"] = core
+    record["results_one_core"] = json.loads(child.stdout.strip().splitlines()[-1])
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
-    for row in record["results"]:
-        print(row)
+    for key in ("results", "results_one_core"):
+        print(key)
+        for row in record[key]:
+            print(" ", row)
     return 0
 
 

@@ -44,8 +44,10 @@ __all__ = ["VARIANTS", "triton_attention", "la2_forward", "la2_backward", "kerne
            "log2_decay_tensor"]
 
 
-def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None = None) -> dict:
-    """Tile sizes of the backend's kernels for head dims (d_k, d_v) and the dtype the tiles are loaded in.
+def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None = None,
+                  interpreter: bool = False) -> dict:
+    """Tile sizes of the backend's kernels for head dims (d_k, d_v) and the dtype the tiles are loaded in, on a GPU
+    (or, with ``interpreter``, in Triton's CPU interpreter).
 
     The 16-bit tiles were chosen by the H200 tile sweep of chapter 07 (``bench --tune``,
     notebooks/data/tune_h200.json): 64-row blocks, or 32-row blocks when a head dim exceeds 128. That sweep was
@@ -53,27 +55,36 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     d = 128, each reading all of Q and K), measured on an H100 with the segment count of
     :func:`~.la2_fast.choose_segments` (bf16, d = 128, 16 heads, 32K tokens per call; forward / backward ms):
     0.356 / 0.915 against 0.377 / 1.037 with d_v whole at T = 8K, 0.377 / 0.936 against 0.408 / 1.070 at 32K and
-    1.423 / 3.607 against 1.471 / 3.757 at 128K. A float32 tile holds twice the bytes of a 16-bit
-    one, so above d = 64 float32 takes 32-row blocks: a 32 x 128 float32 tile is the size in bytes of the
-    measured 64 x 128 bf16 one, so the pipelined K and V tiles ask for no more shared memory than the
-    configuration the sweep timed (LA-1 halves its fp32 block for the same reason). Up to d = 64 a 64-row
-    float32 tile is no bigger than that one and keeps its 64 rows. ``block_size`` overrides the rows.
-    float32 runs 8 warps: its exact fp32 dots (``input_precision="ieee"``, :func:`~._tiles.dot_precision`) run
-    on the FMA units, and with 4 warps the kernels spill registers. Measured on an H100 (Triton 3.6; d = 128, 16
-    heads, 32K tokens per call): forward + backward 171 against 247 ms at T = 2K and 252 against 369 ms at 32K,
-    and the first call (compilation, chapter 07) 11.4 against 21.7 s. Above d = 64, up to 128, float32 also runs
-    one pipeline stage instead of two: forward + backward 169 against 236 ms at T = 32K on the same H100 (16 heads),
-    and the first call 11.4 against 12.8 s.
+    1.423 / 3.607 against 1.471 / 3.757 at 128K.
+
+    float32 takes 16-row blocks up to d = 128: its exact fp32 dots (``input_precision="ieee"``,
+    :func:`~._tiles.dot_precision`) run on the FMA units, not the tensor cores, and every product of a larger
+    tile is a longer unrolled sequence of multiply-adds that spills registers. Measured on an H100 (Triton 3.6,
+    16 heads x 8K tokens, forward + backward; first call of a fresh process, compiling side by side):
+    at d = 64, 16-row blocks and 4 warps took 1.42 ms against 15.3 ms with the earlier 64-row blocks and 8 warps
+    (first call 6.1 against 8.2 s); at d = 128, 16-row blocks and 8 warps took 17.8 ms against 42.8 ms with
+    32-row blocks (first call 7.2 against 9.2 s; 4 warps took 31.7 ms), with one pipeline stage. The error
+    against float64 stayed at 3e-7. Above d = 128 float32 keeps 32-row blocks, 64-column slices, 8 warps and
+    two stages (not re-measured). In the interpreter float32 keeps the larger blocks it had before (64 rows up to
+    d = 64, 32 above): there a block's cost is per operation, not per element, and small blocks only mean more
+    of them. ``block_size`` overrides the rows.
     Returns the keyword arguments of ``la2_fast_forward``/``la2_fast_backward``: block, block_dv,
     num_warps, num_stages.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a torch floating-point dtype (e.g. torch.bfloat16), got {dtype!r}")
     d = max(d_k, d_v)
-    wide_fp32 = dtype == torch.float32 and d > 64
-    block = block_size or (32 if d > 128 or wide_fp32 else 64)
-    return dict(block=block, block_dv=64 if d > 128 or (d > 64 and not wide_fp32) else None,
-                num_warps=8 if dtype == torch.float32 else 4, num_stages=1 if wide_fp32 and d <= 128 else 2)
+    if dtype != torch.float32:
+        return dict(block=block_size or (32 if d > 128 else 64), block_dv=64 if d > 64 else None, num_warps=4,
+                    num_stages=2)
+    if d > 128:
+        return dict(block=block_size or 32, block_dv=64, num_warps=8, num_stages=2)
+    if interpreter:
+        block = 64 if d <= 64 else 32
+    else:
+        block = 16
+    return dict(block=block_size or block, block_dv=None, num_warps=4 if d <= 64 else 8,
+                num_stages=2 if d <= 64 else 1)
 
 
 # The Lightning Attention-2 variants share one signature: forward(q, k, v, log2_decay, initial_state, ...)

@@ -36,7 +36,8 @@ import triton.language as tl
 
 from ._tiles import (
     aligned, apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    dense, flagged_range, head_offset, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
+    dense, flagged_range, head_offset, head_start, interpreted, launch, pad_dim, poison, refuse_interpreted_bf16,
+    sm_count,
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
@@ -507,7 +508,7 @@ def backend_tiles(q, v, block=None, block_dv=None, num_warps=None, num_stages=No
         return block, block_dv, num_warps, num_stages
     from . import kernel_config  # the package defines it before importing this module
 
-    cfg = kernel_config(q.shape[-1], v.shape[-1], q.dtype, block)
+    cfg = kernel_config(q.shape[-1], v.shape[-1], q.dtype, block, interpreted(q))
     return (cfg["block"], cfg["block_dv"] if block_dv is None else block_dv, num_warps or cfg["num_warps"],
             num_stages or cfg["num_stages"])
 

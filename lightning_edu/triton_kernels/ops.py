@@ -83,7 +83,7 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None) -> tuple[di
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
-    cfg = kernel_config(d_k, d_v, compute_dtype(q), block_size)
+    cfg = kernel_config(d_k, d_v, compute_dtype(q), block_size, interpreted(q))
     sms = sm_count(q.device)
     block_dv = cfg["block_dv"]
     if block_dv is None:  # as la2_fast._forward_form: split d_v only when (batch, head) programs fill the chip
