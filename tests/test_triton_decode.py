@@ -150,7 +150,8 @@ def test_packed_batch_on_cuda_equals_one_call_per_sequence(device, dtype):
         one = [piece(x).double() for x in (q, k, v, do)]
         ref_o, ref_s = le.lightning_attention(*one[:3], decay, return_state=True, backend="torch")
         ref = le.lightning_attention_backward(*one, decay, backend="torch")
-        assert relative_error(piece(o), ref_o) < BOUNDS[dtype] and relative_error(states[i:i + 1], ref_s) < 1e-5
+        # the state is accumulated in fp32 from products of the dtype's operands: the dtype's bound against float64
+        assert relative_error(piece(o), ref_o) < BOUNDS[dtype] and relative_error(states[i:i + 1], ref_s) < BOUNDS[dtype]
         for got, want in zip((dq, dk, dv), ref):
             assert relative_error(piece(got), want) < BOUNDS[dtype]
     with pytest.raises(ValueError, match="cu_seqlens"):
