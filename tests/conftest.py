@@ -51,3 +51,17 @@ def _release_cached_gpu_memory():
     yield
     if os.environ.get("PYTEST_XDIST_WORKER") and _has_cuda and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """Each test starts with no recorded launch plans (``triton_kernels.ops``): a call that repeats another
+    test's shapes would otherwise replay that test's launches and skip the host code a test may be watching
+    (a patched ``kernel_config`` or ``launch``). Within a test, a repeated call still replays."""
+    import sys
+
+    ops = sys.modules.get("lightning_edu.triton_kernels.ops")
+    if ops is not None:
+        ops._FORWARD_PLANS.clear()
+        ops._BACKWARD_PLANS.clear()
+    yield

@@ -5,18 +5,21 @@
 
 On a short sequence the kernels finish before the host has launched the next one, so the host's time per call
 is the call's time. Each row times the same forward + backward (bf16, 1 x 4 heads x T tokens, per-head decay
-as a CUDA tensor, gradients set to None after each call, as a training step does); rows 2-4 add one layer of
-the call at a time, the fifth is the public function:
+as a CUDA tensor, gradients set to None after each call, as a training step does); rows 3-5 add one layer of
+the call at a time, the sixth is the public function:
 
 1. ``kernels, Triton's launch``: row 2 with every kernel launched through Triton's ``kernel[grid]``
    (``_tiles.FAST_LAUNCH`` off), for the cost of Triton's launch-time work;
-2. ``kernels``: the launchers alone (:func:`~lightning_edu.triton_kernels.ops.forward_impl`, then
-   :func:`~lightning_edu.triton_kernels.ops.backward_impl` on the saved states), no autograd;
-3. ``autograd Function``: the same, as :class:`~lightning_edu.triton_kernels.ops.EagerLA2` under autograd;
-4. ``custom op``: the same, through the dispatcher, as the op ``lightning_edu::la2_forward`` and its registered
+2. ``kernels, launchers' host code``: the launchers alone (:func:`~lightning_edu.triton_kernels.ops.forward_impl`,
+   then :func:`~lightning_edu.triton_kernels.ops.backward_impl` on the saved states), no autograd, with their
+   host code run on every call (``ops.REPLAY`` off);
+3. ``kernels``: the same, as the backend runs them: from the second call on, the launches recorded at the first
+   call with these shapes are replayed (:class:`~lightning_edu.triton_kernels._tiles.LaunchPlan`);
+4. ``autograd Function``: the same, as :class:`~lightning_edu.triton_kernels.ops.EagerLA2` under autograd;
+5. ``custom op``: the same, through the dispatcher, as the op ``lightning_edu::la2_forward`` and its registered
    backward (what :func:`torch.compile` calls);
-5. ``lightning_attention``: the public function (validation, the decay's log2, the eager door of row 3);
-6. ``lightning_attention, backward on the caller``: row 5 with autograd's engine told to run the backward on the
+6. ``lightning_attention``: the public function (validation, the decay's log2, the eager door of row 4);
+7. ``lightning_attention, backward on the caller``: row 6 with autograd's engine told to run the backward on the
    thread that calls ``backward()`` (``torch.autograd.set_multithreading_enabled(False)``) instead of handing it to
    its CUDA device thread.
 
@@ -40,15 +43,15 @@ import time
 
 __all__ = ["ROWS", "measure", "main"]
 
-ROWS = ("kernels, Triton's launch", "kernels", "autograd Function", "custom op", "lightning_attention",
-        "lightning_attention, backward on the caller")
+ROWS = ("kernels, Triton's launch", "kernels, launchers' host code", "kernels", "autograd Function", "custom op",
+        "lightning_attention", "lightning_attention, backward on the caller")
 
 
 def _calls(d: int, T: int, heads: int = 4):
     import torch
 
     from .. import lightning_attention
-    from ..triton_kernels import _tiles, log2_decay_tensor
+    from ..triton_kernels import _tiles, log2_decay_tensor, ops
     from ..triton_kernels.ops import EagerLA2, backward_impl, forward_impl, la2_forward
     from .bench import head_decays
 
@@ -65,21 +68,29 @@ def _calls(d: int, T: int, heads: int = 4):
 
     def kernels():
         _, _, incoming = forward_impl(q, k, v, l2, None, None, True)
-        backward_impl(q, k, v, do, l2, None, None, incoming)
+        backward_impl(q, k, v, do, l2, None, None, incoming, d_initial_state=False)  # as the eager door calls it
 
     def on_caller():
         with torch.autograd.set_multithreading_enabled(False):
             step(lightning_attention(*leaves, decay, backend="triton"))
 
     def tritons_launch():
-        _tiles.FAST_LAUNCH = False
+        _tiles.FAST_LAUNCH, ops.REPLAY = False, False
         try:
             kernels()
         finally:
-            _tiles.FAST_LAUNCH = True
+            _tiles.FAST_LAUNCH, ops.REPLAY = True, True
+
+    def launchers():
+        ops.REPLAY = False
+        try:
+            kernels()
+        finally:
+            ops.REPLAY = True
 
     return {
         "kernels, Triton's launch": tritons_launch,
+        "kernels, launchers' host code": launchers,
         "kernels": kernels,
         "autograd Function": lambda: step(EagerLA2.apply(*leaves, l2, None, None, True)[0]),
         "custom op": lambda: step(la2_forward(*leaves, l2, None, None, True)[0]),

@@ -76,7 +76,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 __all__ = [
-    "launch", "FAST_LAUNCH", "launch_key", "aligned", "dense", "compile_ahead", "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
+    "launch", "FAST_LAUNCH", "launch_key", "LaunchPlan", "record_plan", "aligned", "dense", "compile_ahead", "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
     "head_start", "head_offset", "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
     "clear_flag", "flag_nonfinite",
 ]
@@ -96,9 +96,13 @@ def launch(kernel, grid):
     """``kernel[grid]``, the launch; inside :func:`compile_ahead`, a warm-up instead: the kernel is compiled for
     these arguments (handed to a compiler thread) and nothing runs. The backend's launchers launch through this.
     On a GPU (with :data:`FAST_LAUNCH`) a launch whose specialisation was launched before skips Triton's
-    launch-time work: :func:`_fast_launch`."""
+    launch-time work: :func:`_fast_launch`. Inside :func:`record_plan` the launch also goes into the plan
+    being recorded."""
     if _AHEAD.get():
         return functools.partial(kernel.warmup, grid=grid)
+    recorder = _RECORDER.get()
+    if recorder is not None:
+        return functools.partial(_recorded_launch, recorder, kernel, grid)
     if FAST_LAUNCH and isinstance(kernel, JITFunction):  # not the interpreter's functions, nor a stand-in
         return functools.partial(_fast_launch, kernel, grid)
     return kernel[grid]
@@ -165,6 +169,119 @@ def _fast_launch(kernel, grid, *args, **meta):
                  compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *args, *rest),
                  runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *rest)
     return compiled
+
+
+_RECORDER = contextvars.ContextVar("lightning_edu_launch_recorder", default=None)
+
+
+def _recorded_launch(recorder: list, kernel, grid, *args, **meta):
+    """Launch as :func:`launch` would, and append to ``recorder`` a runner that launches the same kernel, on the
+    same grid with the same keyword arguments, on other positional arguments."""
+    if FAST_LAUNCH and isinstance(kernel, JITFunction) and not kernel.pre_run_hooks:
+        compiled = _fast_launch(kernel, grid, *args, **meta)
+        rest = tuple(meta[p.name] if p.name in meta else p.default for p in kernel.params[len(args):])
+        recorder.append((functools.partial(_run_compiled, compiled, grid, rest), args))
+        return compiled
+    recorder.append((functools.partial(_run_launch, kernel, grid, meta), args))
+    return kernel[grid](*args, **meta)
+
+
+def _run_compiled(compiled, grid, rest, *args):
+    # what _fast_launch does on a hit: the compiled kernel's own launcher, with Triton's launch hooks
+    runtime = triton.knobs.runtime
+    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                 compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *args, *rest),
+                 runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *rest)
+
+
+def _run_launch(kernel, grid, meta, *args):
+    kernel[grid](*args, **meta)
+
+
+class LaunchPlan:
+    """A launcher's calls, recorded once and replayed: the buffers it allocated, the kernels it launched (with
+    the same grids and constants) and where its outputs came from. :meth:`replay` allocates the buffers afresh
+    and launches the same kernels on new inputs of the same shapes, strides and dtypes, and none of the host
+    code that chose them runs again.
+
+    Why. A short call is bound by the host, and the launchers' Python (tile choices, segment counts, grids,
+    strides, launch keys) computes the same answers for every call with the same shapes. The backward is where
+    this matters most: autograd runs it on a thread of its own, where the same Python took the host several
+    times as long (chapter 08, section 8.7).
+
+    What a plan may hold, checked as it is built (:func:`record_plan` returns None otherwise): every tensor
+    handed to a kernel is either one of the call's inputs (the same object) or a buffer the launchers allocated
+    during the call: a tensor of its own storage, at offset 0, never written by a torch operation (its version
+    counter still 0), and shared with no other tensor. What the caller must hold: the launchers allocate with
+    ``torch.empty``-like calls, write their buffers only through kernels, and choose everything from the key the
+    caller files the plan under (shapes, strides, dtypes, device, options). The backend's callers
+    (:mod:`.ops`) record only calls whose inputs are contiguous, aligned and need no conversion, where that holds.
+    """
+
+    __slots__ = ("buffers", "launches", "outputs")
+
+    def __init__(self, buffers, launches, outputs):
+        self.buffers = buffers    # (shape, stride, dtype, device) per buffer
+        self.launches = launches  # (runner, template): template entries (0, input index), (1, buffer), (2, value)
+        self.outputs = outputs    # template entries, as above
+
+    def replay(self, inputs: tuple) -> tuple:
+        bufs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                for shape, stride, dtype, device in self.buffers]
+        src = (inputs, bufs)
+        for runner, template in self.launches:
+            runner(*[src[kind][x] if kind < 2 else x for kind, x in template])
+        return tuple(src[kind][x] if kind < 2 else x for kind, x in self.outputs)
+
+
+def record_plan(run, inputs: tuple, *args, **kwargs):
+    """``(run(*args, **kwargs), plan)``: the result of the call, and a :class:`LaunchPlan` of it for ``inputs``
+    (the tensors a replay is given, in this order), or None when the call cannot be replayed. ``run`` must
+    return a flat tuple of tensors (each an input or a buffer) and Nones."""
+    recorder: list = []
+    token = _RECORDER.set(recorder)
+    try:
+        result = run(*args, **kwargs)
+    finally:
+        _RECORDER.reset(token)
+    return result, _build_plan(recorder, inputs, result)
+
+
+def _build_plan(recorder, inputs, result):
+    index = {id(x): i for i, x in enumerate(inputs) if x is not None}
+    storages = {x.untyped_storage().data_ptr() for x in inputs if isinstance(x, torch.Tensor) and x.numel()}
+    buffers, where = [], {}
+
+    def entry(x):
+        if not isinstance(x, torch.Tensor):
+            return 2, x
+        if id(x) in index:
+            return 0, index[id(x)]
+        if id(x) not in where:
+            storage = x.untyped_storage()
+            if (x._version != 0 or x.storage_offset() != 0 or storage.data_ptr() in storages
+                    or storage.nbytes() != x.numel() * x.element_size()):
+                raise _NotReplayable
+            storages.add(storage.data_ptr())
+            where[id(x)] = len(buffers)
+            buffers.append((tuple(x.shape), x.stride(), x.dtype, x.device))
+        return 1, where[id(x)]
+
+    try:
+        launches = [(runner, tuple(entry(x) for x in args)) for runner, args in recorder]
+        outputs = []
+        for x in result:
+            if isinstance(x, torch.Tensor) and id(x) not in index and id(x) not in where:
+                raise _NotReplayable  # made by a torch operation, not by a kernel
+            outputs.append(entry(x))
+    except _NotReplayable:
+        return None
+    return LaunchPlan(buffers, launches, tuple(outputs))
+
+
+class _NotReplayable(Exception):
+    pass
 
 
 def compile_ahead(run, *args, workers: int | None = None, **kwargs) -> bool:

@@ -51,7 +51,10 @@ import torch
 from torch import Tensor
 
 from ..torch_chunked import decay_gradient, first_derivative_only
-from ._tiles import cdiv, compile_ahead, interpreted, pad_dim, sm_count, upcast_for_interpreter
+import triton
+
+from . import _tiles
+from ._tiles import aligned, cdiv, compile_ahead, interpreted, pad_dim, record_plan, sm_count, upcast_for_interpreter
 from .la2_fast import choose_segments, la2_fast_forward, output_like, short_blocks
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
@@ -106,6 +109,52 @@ def ahead_key(q: Tensor, k: Tensor, v: Tensor, initial_state: Tensor | None, blo
             save_states, n % 16 == 0, num_segments > 1)
 
 
+REPLAY = True
+"""Whether a call whose inputs allow it replays the launches recorded at the first call with its key
+(:func:`_replay_key`, :class:`~._tiles.LaunchPlan`) instead of running the launchers' host code again."""
+
+_FORWARD_PLANS: dict = {}   # replay key -> LaunchPlan of forward_impl's launchers, or None (not replayable)
+_BACKWARD_PLANS: dict = {}  # replay key -> LaunchPlan of backward_impl's launchers, or None
+_UNSEEN = object()
+
+
+def _replay_key(tensors: tuple, log2_decay: Tensor, *options) -> tuple | None:
+    """The key a call's :class:`~._tiles.LaunchPlan` is filed under, or None when the call is not one to replay.
+
+    A call is replayed when its tensors (q, k, v, and in the backward do and the saved states) are plain tensors
+    on one device, contiguous and starting on a 16-byte boundary, and ``log2_decay`` is a contiguous, aligned
+    float32 vector: then no launcher copies, converts or re-lays out anything, and every choice the launchers
+    make (tiles, segments, grids, strides, the kernels' specialisations) follows from the key: shapes, dtypes,
+    the device, the options (block size, ...), Triton's debug and instrumentation settings, whether launches
+    take the fast path (:data:`~._tiles.FAST_LAUNCH`), and on a GPU the current device, whose stream the
+    launches use. In the interpreter bfloat16 is converted (it computes it
+    wrongly), so there a bfloat16 call is not replayed."""
+    if not REPLAY or _tiles._AHEAD.get():  # inside compile_ahead the launchers only compile: nothing to record
+        return None
+    device = tensors[0].device
+    for x in tensors:
+        if type(x) is not torch.Tensor or x.device != device or not x.is_contiguous() or (x.numel() and not aligned(x)):
+            return None
+    if (type(log2_decay) is not torch.Tensor or log2_decay.dtype != torch.float32 or not log2_decay.is_contiguous()
+            or log2_decay.device != device or not aligned(log2_decay)):
+        return None
+    if interpreted(tensors[0]):
+        if any(x.dtype == torch.bfloat16 for x in tensors):
+            return None
+        current = None
+    else:
+        current = torch.cuda.current_device()
+    return (device, current, _tiles.FAST_LAUNCH, triton.knobs.runtime.debug,
+            triton.knobs.compilation.instrumentation_mode, *options, *((x.shape, x.dtype) for x in tensors),
+            log2_decay.shape)
+
+
+def _file(plans: dict, key: tuple, plan) -> None:
+    if len(plans) >= 1024:  # a sweep over many shapes starts again
+        plans.clear()
+    plans[key] = plan
+
+
 def _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_segments) -> None:
     """On a configuration's first call on a GPU, compile the kernels of its forward, and of its backward when
     one may follow (``save_states``), side by side (:func:`~._tiles.compile_ahead`): the launchers run once on
@@ -131,19 +180,34 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_st
     """What ``lightning_edu::la2_forward`` runs (and :class:`EagerLA2`'s forward): (o in v's dtype, final_state
     fp32, incoming), la2_fast's forward, its segment states saved when ``save_states``. With ``ahead`` (and
     :data:`COMPILE_AHEAD`), a configuration's first call on a GPU compiles its kernels side by side first."""
-    cfg, seg_len, num_seg = launch_plan(q, v, block_size)
-    if ahead and COMPILE_AHEAD and not interpreted(q) and not torch.cuda.is_current_stream_capturing():
-        _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_seg)
+    key = _replay_key((q, k, v), log2_decay, block_size, save_states) if initial_state is None else None
+    plan = _FORWARD_PLANS.get(key, _UNSEEN) if key is not None else _UNSEEN
+    if plan is not _UNSEEN and plan is not None:
+        o, sn, incoming = plan.replay((q, k, v, log2_decay))
+    else:
+        cfg, seg_len, num_seg = launch_plan(q, v, block_size)
+        if ahead and COMPILE_AHEAD and not interpreted(q) and not torch.cuda.is_current_stream_capturing():
+            _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_seg)
+        args = (q, k, v, log2_decay, initial_state, save_states, seg_len, cfg)
+        if key is not None and plan is _UNSEEN:  # the first call with this key: record it (None: not replayable)
+            (o, sn, incoming), plan = record_plan(_forward_launchers, (q, k, v, log2_decay), *args)
+            _file(_FORWARD_PLANS, key, plan)
+        else:
+            o, sn, incoming = _forward_launchers(*args)
+    if incoming is None:  # one segment, or not asked: nothing saved, and an op returns a tensor
+        incoming = sn.new_empty(0)
+    return o.to(v.dtype), sn, incoming
+
+
+def _forward_launchers(q, k, v, log2_decay, initial_state, save_states, seg_len, cfg):
+    """(o, final state, incoming or None): la2_fast's forward on the backend's tiles."""
     # read where they lie (la2_fast.in_place): a strided view of a projection is not copied. The launchers return
     # o and the gradients laid out as output_like gives their inputs (what the fakes promise); upcast copies keep
     # their inputs' dimension order, and .to() keeps the layout.
     qc, kc, vc = upcast_for_interpreter(q, k, v)
     o, sn, *saved = la2_fast_forward(qc, kc, vc, log2_decay.float().contiguous(), initial_state,
                                      save_states=save_states, seg_len=seg_len, **cfg)
-    incoming = saved[0][1] if saved else None
-    if incoming is None:  # one segment, or not asked: nothing saved, and an op returns a tensor
-        incoming = sn.new_empty(0)
-    return o.to(v.dtype), sn, incoming
+    return o, sn, saved[0][1] if saved else None
 
 
 @torch.library.custom_op("lightning_edu::la2_forward", mutates_args=())
@@ -176,13 +240,30 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tenso
     (:func:`~lightning_edu.triton_kernels.backward_kernel`), its dQ pass started from ``incoming``. With
     ``d_initial_state`` False (the eager door, when no initial state needs a gradient) None comes back in its
     place and its two small torch ops are skipped."""
-    from . import backward_kernel
-
+    key, plan = None, _UNSEEN
+    if initial_state is None and d_final_state is None and not d_initial_state:
+        key = _replay_key((q, k, v, do, incoming), log2_decay, block_size)
+        plan = _BACKWARD_PLANS.get(key, _UNSEEN) if key is not None else _UNSEEN
+        if plan is not _UNSEEN and plan is not None:  # filed after the checks below passed, for this key
+            return plan.replay((q, k, v, do, log2_decay, incoming))
     cfg, seg_len, num_seg = launch_plan(q, v, block_size)
     want = (q.shape[0] * q.shape[1], num_seg, q.shape[-1], v.shape[-1]) if num_seg > 1 else (0,)
     if tuple(incoming.shape) != want:
         raise ValueError(f"incoming must be the forward's saved segment states, shape {want} for these inputs "
                          f"and block_size, got {tuple(incoming.shape)}")
+    args = (q, k, v, do, log2_decay, initial_state, d_final_state, incoming, cfg, seg_len, num_seg, d_initial_state)
+    if key is not None and plan is _UNSEEN:  # the first call with this key: record it (None: not replayable)
+        result, plan = record_plan(_backward_launchers, (q, k, v, do, log2_decay, incoming), *args)
+        _file(_BACKWARD_PLANS, key, plan)
+        return result
+    return _backward_launchers(*args)
+
+
+def _backward_launchers(q, k, v, do, log2_decay, initial_state, d_final_state, incoming, cfg, seg_len, num_seg,
+                        d_initial_state):
+    """(dq, dk, dv, d_initial_state or None) by the backend's backward kernel on the backend's tiles."""
+    from . import backward_kernel
+
     qc, kc, vc, doc = upcast_for_interpreter(q, k, v, do)
     backward = backward_kernel(qc.shape[-1], vc.shape[-1], qc.dtype)
     dq, dk, dv, ds0 = backward(qc, kc, vc, doc, log2_decay.float().contiguous(), initial_state, d_final_state,

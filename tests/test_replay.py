@@ -1,0 +1,138 @@
+"""Launch plans (``_tiles.LaunchPlan``, ``_tiles.record_plan``): a call of the backend with the shapes of an earlier
+one replays the launches recorded then, and gives the same bits as its launchers; what cannot be replayed is not.
+
+Plans are filed per test (tests/conftest.py clears them), so each test records its own first call."""
+
+import math
+
+import pytest
+import torch
+from kernel_cases import cases
+
+from lightning_edu.triton_kernels import _tiles, log2_decay_tensor, ops
+
+SHAPES = {
+    "cpu": [((1, 2, 77, 16, 32), torch.float32), ((2, 1, 130, 32, 16), torch.float16), ((1, 3, 5, 16, 16), torch.float32)],
+    "cuda": [((1, 4, 256, 64, 64), torch.bfloat16), ((2, 3, 1000, 128, 128), torch.bfloat16),
+             ((1, 2, 333, 64, 32), torch.float16), ((1, 2, 300, 128, 128), torch.float32),
+             ((4, 16, 2048, 64, 64), torch.bfloat16)],
+}
+
+
+def _inputs(shape, dtype, device, seed=0):
+    b, h, n, d_k, d_v = shape
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k = (torch.randn(b, h, n, d_k, device=device, generator=g).to(dtype) / 4 for _ in range(2))
+    v, do = (torch.randn(b, h, n, d_v, device=device, generator=g).to(dtype) for _ in range(2))
+    l2 = log2_decay_tensor([math.exp(-(2.0 ** -(i + 1))) for i in range(h)], device)
+    return q, k, v, do, l2
+
+
+def _call(q, k, v, do, l2):
+    o, sn, incoming = ops.forward_impl(q, k, v, l2, None, None, True)
+    dq, dk, dv, ds0 = ops.backward_impl(q, k, v, do, l2, None, None, incoming, None, False)
+    assert ds0 is None
+    return o, sn, incoming, dq, dk, dv
+
+
+def _same(a, b):
+    return all(x.shape == y.shape and x.dtype == y.dtype and x.stride() == y.stride()
+               and torch.equal(torch.nan_to_num(x, nan=7.0), torch.nan_to_num(y, nan=7.0))
+               and torch.equal(x.isnan(), y.isnan()) for x, y in zip(a, b))
+
+
+@cases("shape,dtype", SHAPES)
+def test_a_replayed_call_gives_the_bits_of_its_launchers(device, shape, dtype, monkeypatch):
+    q, k, v, do, l2 = _inputs(shape, dtype, device)
+    monkeypatch.setattr(ops, "REPLAY", False)
+    want = _call(q, k, v, do, l2)
+    assert not ops._FORWARD_PLANS and not ops._BACKWARD_PLANS
+    monkeypatch.setattr(ops, "REPLAY", True)
+    first = _call(q, k, v, do, l2)  # records
+    assert len(ops._FORWARD_PLANS) == len(ops._BACKWARD_PLANS) == 1
+    assert all(plan is not None for plan in (*ops._FORWARD_PLANS.values(), *ops._BACKWARD_PLANS.values()))
+    planned = []
+    real_plan = ops.launch_plan
+    monkeypatch.setattr(ops, "launch_plan", lambda *a, **kw: planned.append(a) or real_plan(*a, **kw))
+    # new inputs of the same shapes, and a non-finite value: the exact pass is replayed too
+    q2, k2, v2, do2, _ = _inputs(shape, dtype, device, seed=1)
+    v2[0, 0, shape[2] // 2, 0] = float("nan")
+    again = _call(q2, k2, v2, do2, l2)
+    assert not planned  # no host code of the launchers ran
+    monkeypatch.setattr(ops, "launch_plan", real_plan)
+    monkeypatch.setattr(ops, "REPLAY", False)
+    assert _same(first, want) and _same(again, _call(q2, k2, v2, do2, l2))
+    assert again[0].isnan().any() and not again[0][:, :, : shape[2] // 2].isnan().any()  # causal
+
+
+@cases("case", {"cpu": ["strided view", "initial state", "final-state gradient", "bfloat16", "off a boundary"]})
+def test_calls_that_cannot_be_replayed_run_their_launchers(device, case):
+    q, k, v, do, l2 = _inputs((1, 2, 40, 16, 16), torch.float32, device)
+    s0 = dsn = None
+    if case == "strided view":
+        q = torch.randn(1, 40, 2, 16).transpose(1, 2)
+    elif case == "initial state":
+        s0 = torch.randn(1, 2, 16, 16)
+    elif case == "final-state gradient":
+        dsn = torch.randn(1, 2, 16, 16)
+    elif case == "bfloat16":
+        q, k, v, do = (x.bfloat16() for x in (q, k, v, do))
+    else:
+        q = torch.randn(q.numel() + 1)[1:].view(q.shape)
+    for _ in range(2):
+        o, sn, incoming = ops.forward_impl(q, k, v, l2, s0, None, True)
+        ops.backward_impl(q, k, v, do, l2, s0, dsn, incoming, None, False)
+    assert not any(ops._BACKWARD_PLANS.values())
+    if case not in ("initial state", "final-state gradient"):
+        assert not any(ops._FORWARD_PLANS.values())
+
+
+class _Writer:
+    """A kernel stand-in that writes its second argument through raw memory, as a GPU kernel does (no version bump)."""
+
+    def __getitem__(self, grid):
+        def run(x, out, scale):
+            out.numpy()[:] = x.numpy() * scale
+        return run
+
+
+def test_record_plan_maps_inputs_buffers_and_constants():
+    x = torch.arange(4.0)
+
+    def launcher(x):
+        out = torch.empty_like(x)
+        _tiles.launch(_Writer(), (1,))(x, out, 3)
+        return out, None
+
+    result, plan = _tiles.record_plan(launcher, (x,), x)
+    assert plan is not None and plan.buffers == [((4,), (1,), torch.float32, x.device)]
+    assert plan.outputs == ((1, 0), (2, None))
+    y = torch.tensor([1.0, -2.0, 5.0, 0.5])
+    out, none = plan.replay((y,))
+    assert none is None and torch.equal(out, y * 3) and out.data_ptr() != result[0].data_ptr()
+
+
+@pytest.mark.parametrize("mistake", ["written by torch", "a view of an input", "two views of one buffer",
+                                     "an output no kernel wrote"])
+def test_record_plan_refuses_what_a_replay_could_not_reproduce(mistake):
+    x = torch.arange(4.0)
+
+    def launcher(x):
+        out = torch.empty_like(x)
+        if mistake == "written by torch":
+            out.fill_(1.0)  # content from a torch operation: a replay would not have it
+            _tiles.launch(_Writer(), (1,))(x, out, 3)
+            return out, None
+        if mistake == "a view of an input":
+            _tiles.launch(_Writer(), (1,))(x[1:], out[1:], 3)
+            return out, None
+        if mistake == "two views of one buffer":
+            both = torch.empty(8)
+            _tiles.launch(_Writer(), (1,))(x, both[:4], 3)
+            _tiles.launch(_Writer(), (1,))(x, both[4:], 2)
+            return both[:4], None
+        _tiles.launch(_Writer(), (1,))(x, out, 3)
+        return out * 1, None
+
+    result, plan = _tiles.record_plan(launcher, (x,), x)
+    assert plan is None
