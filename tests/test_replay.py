@@ -65,6 +65,19 @@ def test_a_replayed_call_gives_the_bits_of_its_launchers(device, shape, dtype, m
     assert again[0].isnan().any() and not again[0][:, :, : shape[2] // 2].isnan().any()  # causal
 
 
+@cases("mode", {"cpu": ["inference_mode", "no_grad"], "cuda": ["inference_mode"]})
+def test_calls_under_inference_mode_record_and_replay(device, mode, monkeypatch):
+    # tensors made under torch.inference_mode have no version counter: the record must not ask for one
+    q, k, v, _, l2 = _inputs((1, 2, 70, 16, 32), torch.float32, device)
+    context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
+    with context():
+        outs = [ops.forward_impl(q, k, v, l2, None, None, False) for _ in range(3)]
+        monkeypatch.setattr(ops, "REPLAY", False)
+        want = ops.forward_impl(q, k, v, l2, None, None, False)
+    assert [plan is not None for plan in ops._FORWARD_PLANS.values()] == [True]
+    assert all(_same(out, want) for out in outs)
+
+
 @cases("case", {"cpu": ["strided view", "initial state", "final-state gradient", "bfloat16", "off a boundary"]})
 def test_calls_that_cannot_be_replayed_run_their_launchers(device, case):
     q, k, v, do, l2 = _inputs((1, 2, 40, 16, 16), torch.float32, device)

@@ -213,7 +213,8 @@ class LaunchPlan:
     What a plan may hold, checked as it is built (:func:`record_plan` returns None otherwise): every tensor
     handed to a kernel is either one of the call's inputs (the same object) or a buffer the launchers allocated
     during the call: a tensor of its own storage, at offset 0, never written by a torch operation (its version
-    counter still 0), and shared with no other tensor. What the caller must hold: the launchers allocate with
+    counter still 0; under ``torch.inference_mode`` tensors have none, and this check is skipped), and shared
+    with no other tensor. What the caller must hold: the launchers allocate with
     ``torch.empty``-like calls, write their buffers only through kernels, and choose everything from the key the
     caller files the plan under (shapes, strides, dtypes, device, options). The backend's callers
     (:mod:`.ops`) record only calls whose inputs are contiguous, aligned and need no conversion, where that holds.
@@ -260,7 +261,8 @@ def _build_plan(recorder, inputs, result):
             return 0, index[id(x)]
         if id(x) not in where:
             storage = x.untyped_storage()
-            if (x._version != 0 or x.storage_offset() != 0 or storage.data_ptr() in storages
+            written = not x.is_inference() and x._version != 0  # an inference tensor has no version counter
+            if (written or x.storage_offset() != 0 or storage.data_ptr() in storages
                     or storage.nbytes() != x.numel() * x.element_size()):
                 raise _NotReplayable
             storages.add(storage.data_ptr())
