@@ -48,11 +48,10 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 from torch import Tensor
 
 from ..torch_chunked import decay_gradient, first_derivative_only
-import triton
-
 from . import _tiles
 from ._tiles import aligned, cdiv, compile_ahead, interpreted, pad_dim, record_plan, sm_count, upcast_for_interpreter
 from .la2_fast import choose_segments, la2_fast_forward, output_like, short_blocks
@@ -127,8 +126,9 @@ def _replay_key(tensors: tuple, log2_decay: Tensor, *options) -> tuple | None:
     make (tiles, segments, grids, strides, the kernels' specialisations) follows from the key: shapes, dtypes,
     the device, the options (block size, ...), Triton's debug and instrumentation settings, whether launches
     take the fast path (:data:`~._tiles.FAST_LAUNCH`), and on a GPU the current device, whose stream the
-    launches use. In the interpreter bfloat16 is converted (it computes it
-    wrongly), so there a bfloat16 call is not replayed."""
+    launches use. In the interpreter bfloat16 is converted (it computes it wrongly), so there a bfloat16 call is
+    not replayed. A dimension of length 1 may carry any stride in a contiguous tensor: a replay passes the recorded
+    one, which the kernels multiply only by index 0."""
     if not REPLAY or _tiles._AHEAD.get():  # inside compile_ahead the launchers only compile: nothing to record
         return None
     device = tensors[0].device
