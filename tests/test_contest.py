@@ -213,6 +213,35 @@ def test_a_wrong_value_is_located_by_batch_head_and_row():
         check_forward_kernel(state_not_decayed, seed=5)
 
 
+def _tf32(x):
+    """x (float64 numpy) with its mantissa cut to tf32's 10 bits, as a GPU's tl.dot rounds fp32 operands."""
+    import numpy as np
+
+    m, e = np.frexp(x)
+    return np.ldexp(np.round(m * 2.0**11) / 2.0**11, e)
+
+
+def test_a_correct_answer_through_tf32_dots_passes_where_the_terms_cancel():
+    # One token, q.k = 0.01 beside terms of size 1: the tf32 rounding of q and k moves the answer by more than
+    # 0.5 % of itself, and ROUNDING (a fraction of the sum over absolute values) lets it pass; an answer off by
+    # more than tf32 can explain (q.k off by 0.1) still fails.
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 1, 32)) + 0.3 for _ in range(3))
+    k[..., -1] -= ((q * k).sum() - 0.01) / q[..., -1]  # q.k = 0.01
+    lams = (0.9,)
+    got = contest._reference(_tf32(q), _tf32(k), _tf32(v), lams)
+    ref = contest._reference(q, k, v, lams)
+    rtol, rounding = contest.TOLERANCE["float32", "cuda"], contest.ROUNDING["float32", "cuda"]
+    assert np.abs(got - ref).max() > rtol * np.abs(ref).max()  # the relative tolerance alone would refuse it
+    with pytest.raises(ExerciseError, match="differs first at batch 0, head 0"):
+        contest._diagnose(got, q, k, v, lams, rtol, "case", "float32")
+    contest._diagnose(got, q, k, v, lams, rtol, "case", "float32", rounding)
+    with pytest.raises(ExerciseError, match="differs first"):
+        contest._diagnose(ref + 0.1 * v, q, k, v, lams, rtol, "case", "float32", rounding)
+
+
 def test_what_the_submission_raises_becomes_a_short_message():
     def raises(q, k, v, log2_decay):
         raise RuntimeError("first line\nmore\nlast line")
