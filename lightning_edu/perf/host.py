@@ -24,7 +24,7 @@ the call at a time, the sixth is the public function:
    its CUDA device thread.
 
 Host microseconds per call, the median and the minimum over interleaved rounds (each round runs every row
-``calls`` times between two synchronisations, so drifts of the machine hit every row alike); and, for row 2,
+``calls`` times between two synchronisations, so drifts of the machine hit every row alike); and, for row 3,
 its time by device events (``triton.testing.do_bench``), which on a call this short includes the GPU's idle
 gaps while it waits for the host. The rows are measured twice: as the process runs by default (``results``),
 and again in a child process confined to one CPU core (``results_one_core``), where autograd's device thread

@@ -59,8 +59,8 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
 
     float32 takes 16-row blocks up to d = 128: its exact fp32 dots (``input_precision="ieee"``,
     :func:`~._tiles.dot_precision`) run on the FMA units, not the tensor cores, and every product of a larger
-    tile is a longer unrolled sequence of multiply-adds that spills registers. Measured on an H100 (Triton 3.6,
-    16 heads x 8K tokens, forward + backward; first call of a fresh process, compiling side by side):
+    tile is a longer unrolled sequence of multiply-adds that spills registers. Measured on an H100 (Triton 3.6;
+    forward + backward at 16 heads x 8K tokens; the first call, on (1, 4, 1024, d) in a fresh process):
     at d = 64, 16-row blocks and 4 warps took 1.42 ms against 15.3 ms with the earlier 64-row blocks and 8 warps
     (first call 6.1 against 8.2 s); at d = 128, 16-row blocks and 8 warps took 17.8 ms against 42.8 ms with
     32-row blocks (first call 7.2 against 9.2 s; 4 warps took 31.7 ms), with one pipeline stage. The error

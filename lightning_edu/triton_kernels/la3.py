@@ -58,7 +58,7 @@ def la3_tiles(dtype, d: int = 64) -> dict:
     fp32 (the correctness rung): c = C = 16, 4 warps up to d = 64 and 8 above. Its exact fp32 products run on the
     FMA units, unrolled, and with c < C every chunk unrolls its c x c tile pairs as well. Measured on an H100
     (Triton 3.6, 16 heads x 32K tokens, the dK/dV kernel alone; compile time of its first call in a fresh
-    process, with three other processes compiling beside it): at d = 64, C = c = 16 ran in 2.16 ms and compiled
+    process, with one to three other processes compiling beside it): at d = 64, C = c = 16 ran in 2.16 ms and compiled
     in 5.0 s, against 31.1 ms and 42 s for the earlier C = 64, c = 16 (C = c = 32: 2.26 ms, 8.5 s); at d = 128,
     with 8 warps, 53 ms and 10.8 s against 68 ms and 68 s for the earlier C = 64, c = 32 (C = c = 32: 67 ms,
     18 s; 4 warps at C = c = 16: 69 ms). The error against float64 stayed at 3e-7. The 128 x 128 fp32 state still
