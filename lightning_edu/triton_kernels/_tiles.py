@@ -157,18 +157,28 @@ def _fast_launch(kernel, grid, *args, **meta):
     hit = _LAUNCHED.get(key)
     if hit is None:
         compiled = kernel[grid](*args, **meta)
-        rest = tuple(meta[p.name] if p.name in meta else p.default for p in kernel.params[len(args):])
         if len(_LAUNCHED) >= 4096:  # a sweep over many lengths or constants starts again
             _LAUNCHED.clear()
-        _LAUNCHED[key] = (compiled, rest)
+        _LAUNCHED[key] = (compiled, _rest(kernel, args, meta))
         return compiled
     compiled, rest = hit
+    _run_compiled(compiled, grid, rest, key[1], *args)
+    return compiled
+
+
+def _rest(kernel, args, meta) -> tuple:
+    """The values of a kernel's parameters not passed by position: given by keyword, or their defaults."""
+    return tuple(meta[p.name] if p.name in meta else p.default for p in kernel.params[len(args):])
+
+
+def _run_compiled(compiled, grid, rest, device: int, *args):
+    """A compiled kernel's own launcher, called as Triton calls it: on ``device``'s current stream, with the
+    launch metadata and Triton's launch hooks (profilers use them)."""
     runtime = triton.knobs.runtime
-    stream = torch._C._cuda_getCurrentRawStream(key[1])
+    stream = torch._C._cuda_getCurrentRawStream(device)
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *args, *rest),
                  runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *rest)
-    return compiled
 
 
 _RECORDER = contextvars.ContextVar("lightning_edu_launch_recorder", default=None)
@@ -179,20 +189,13 @@ def _recorded_launch(recorder: list, kernel, grid, *args, **meta):
     same grid with the same keyword arguments, on other positional arguments."""
     if FAST_LAUNCH and isinstance(kernel, JITFunction) and not kernel.pre_run_hooks:
         compiled = _fast_launch(kernel, grid, *args, **meta)
-        rest = tuple(meta[p.name] if p.name in meta else p.default for p in kernel.params[len(args):])
-        recorder.append((functools.partial(_run_compiled, compiled, grid, rest), args))
+        # the current device is part of the plan's key (ops._replay_key): a replay runs on the same one
+        runner = functools.partial(_run_compiled, compiled, grid, _rest(kernel, args, meta),
+                                   torch.cuda.current_device())
+        recorder.append((runner, args))
         return compiled
     recorder.append((functools.partial(_run_launch, kernel, grid, meta), args))
     return kernel[grid](*args, **meta)
-
-
-def _run_compiled(compiled, grid, rest, *args):
-    # what _fast_launch does on a hit: the compiled kernel's own launcher, with Triton's launch hooks
-    runtime = triton.knobs.runtime
-    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *args, *rest),
-                 runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *rest)
 
 
 def _run_launch(kernel, grid, meta, *args):

@@ -149,10 +149,22 @@ def _replay_key(tensors: tuple, log2_decay: Tensor, *options) -> tuple | None:
             log2_decay.shape)
 
 
-def _file(plans: dict, key: tuple, plan) -> None:
+def _replayed(plans: dict, key: tuple | None, inputs: tuple, prepare):
+    """A call through its launch plan: replayed when ``plans`` holds one under ``key``; else ``prepare()`` (host
+    code that runs before the launchers: checks, tile choices, compiling ahead) gives (launchers, args), and
+    ``launchers(*args)`` runs, recorded into ``plans`` on the first call with ``key`` (filed as None when it
+    cannot be replayed, and then never recorded again). ``key`` None: never replayed nor recorded."""
+    plan = plans.get(key, _UNSEEN) if key is not None else None
+    if plan is not None and plan is not _UNSEEN:
+        return plan.replay(inputs)
+    launchers, args = prepare()
+    if plan is None:
+        return launchers(*args)
+    result, plan = record_plan(launchers, inputs, *args)
     if len(plans) >= 1024:  # a sweep over many shapes starts again
         plans.clear()
     plans[key] = plan
+    return result
 
 
 def _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_segments) -> None:
@@ -181,19 +193,14 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_st
     fp32, incoming), la2_fast's forward, its segment states saved when ``save_states``. With ``ahead`` (and
     :data:`COMPILE_AHEAD`), a configuration's first call on a GPU compiles its kernels side by side first."""
     key = _replay_key((q, k, v), log2_decay, block_size, save_states) if initial_state is None else None
-    plan = _FORWARD_PLANS.get(key, _UNSEEN) if key is not None else _UNSEEN
-    if plan is not _UNSEEN and plan is not None:
-        o, sn, incoming = plan.replay((q, k, v, log2_decay))
-    else:
+
+    def prepare():
         cfg, seg_len, num_seg = launch_plan(q, v, block_size)
         if ahead and COMPILE_AHEAD and not interpreted(q) and not torch.cuda.is_current_stream_capturing():
             _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_seg)
-        args = (q, k, v, log2_decay, initial_state, save_states, seg_len, cfg)
-        if key is not None and plan is _UNSEEN:  # the first call with this key: record it (None: not replayable)
-            (o, sn, incoming), plan = record_plan(_forward_launchers, (q, k, v, log2_decay), *args)
-            _file(_FORWARD_PLANS, key, plan)
-        else:
-            o, sn, incoming = _forward_launchers(*args)
+        return _forward_launchers, (q, k, v, log2_decay, initial_state, save_states, seg_len, cfg)
+
+    o, sn, incoming = _replayed(_FORWARD_PLANS, key, (q, k, v, log2_decay), prepare)
     if incoming is None:  # one segment, or not asked: nothing saved, and an op returns a tensor
         incoming = sn.new_empty(0)
     return o.to(v.dtype), sn, incoming
@@ -240,23 +247,21 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tenso
     (:func:`~lightning_edu.triton_kernels.backward_kernel`), its dQ pass started from ``incoming``. With
     ``d_initial_state`` False (the eager door, when no initial state needs a gradient) None comes back in its
     place and its two small torch ops are skipped."""
-    key, plan = None, _UNSEEN
+    key = None
     if initial_state is None and d_final_state is None and not d_initial_state:
         key = _replay_key((q, k, v, do, incoming), log2_decay, block_size)
-        plan = _BACKWARD_PLANS.get(key, _UNSEEN) if key is not None else _UNSEEN
-        if plan is not _UNSEEN and plan is not None:  # filed after the checks below passed, for this key
-            return plan.replay((q, k, v, do, log2_decay, incoming))
-    cfg, seg_len, num_seg = launch_plan(q, v, block_size)
-    want = (q.shape[0] * q.shape[1], num_seg, q.shape[-1], v.shape[-1]) if num_seg > 1 else (0,)
-    if tuple(incoming.shape) != want:
-        raise ValueError(f"incoming must be the forward's saved segment states, shape {want} for these inputs "
-                         f"and block_size, got {tuple(incoming.shape)}")
-    args = (q, k, v, do, log2_decay, initial_state, d_final_state, incoming, cfg, seg_len, num_seg, d_initial_state)
-    if key is not None and plan is _UNSEEN:  # the first call with this key: record it (None: not replayable)
-        result, plan = record_plan(_backward_launchers, (q, k, v, do, log2_decay, incoming), *args)
-        _file(_BACKWARD_PLANS, key, plan)
-        return result
-    return _backward_launchers(*args)
+
+    def prepare():
+        cfg, seg_len, num_seg = launch_plan(q, v, block_size)
+        want = (q.shape[0] * q.shape[1], num_seg, q.shape[-1], v.shape[-1]) if num_seg > 1 else (0,)
+        if tuple(incoming.shape) != want:
+            raise ValueError(f"incoming must be the forward's saved segment states, shape {want} for these inputs "
+                             f"and block_size, got {tuple(incoming.shape)}")
+        return _backward_launchers, (q, k, v, do, log2_decay, initial_state, d_final_state, incoming, cfg, seg_len,
+                                     num_seg, d_initial_state)
+
+    # a plan is filed only after prepare's check passed, for a key that holds incoming's shape
+    return _replayed(_BACKWARD_PLANS, key, (q, k, v, do, log2_decay, incoming), prepare)
 
 
 def _backward_launchers(q, k, v, do, log2_decay, initial_state, d_final_state, incoming, cfg, seg_len, num_seg,
