@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from kernel_cases import cases
+from kernel_cases import cases, kernel_inputs
 
 from lightning_edu.triton_kernels import _tiles, log2_decay_tensor, ops
 
@@ -20,12 +20,9 @@ SHAPES = {
 
 
 def _inputs(shape, dtype, device, seed=0):
-    b, h, n, d_k, d_v = shape
-    g = torch.Generator(device=device).manual_seed(seed)
-    q, k = (torch.randn(b, h, n, d_k, device=device, generator=g).to(dtype) / 4 for _ in range(2))
-    v, do = (torch.randn(b, h, n, d_v, device=device, generator=g).to(dtype) for _ in range(2))
-    l2 = log2_decay_tensor([math.exp(-(2.0 ** -(i + 1))) for i in range(h)], device)
-    return q, k, v, do, l2
+    """kernel_inputs' q, k, v, do, and one lambda per head, exp(-2^-(h+1)): 0.61 to nearly 1."""
+    q, k, v, do, _, _ = kernel_inputs(shape, device, dtype, seed)
+    return q, k, v, do, log2_decay_tensor([math.exp(-(2.0 ** -(i + 1))) for i in range(shape[1])], device)
 
 
 def _call(q, k, v, do, l2):
