@@ -253,9 +253,24 @@ def _nbgrader(course: Path, *args: str) -> subprocess.Popen:
 
 
 def _finish(process: subprocess.Popen, what: str) -> str:
-    out, _ = process.communicate(timeout=600)
+    try:
+        out, _ = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, _ = process.communicate()
+        pytest.fail(f"nbgrader {what} was still running after 600 s; its last output:\n{out[-4000:]}")
     assert process.returncode == 0, f"nbgrader {what} failed:\n{out[-4000:]}"
     return out
+
+
+def _kernel_options(course: Path) -> list[str]:
+    """Options for an autograde run: its kernels talk over Unix sockets in a folder of the course's own, not over
+    TCP ports, which jupyter_client picks, frees and hands to the kernel to bind again, so that a kernel of another
+    process on the machine can take one in between (an autograde once waited ten minutes on a kernel that never
+    answered). One cell may take two minutes: a hang fails with its cell named, not with the whole run's timeout."""
+    sockets = course / "kernel-sockets"
+    sockets.mkdir(exist_ok=True)
+    return ["--KernelManager.transport=ipc", f"--KernelManager.ip={sockets / 'k'}", "--Execute.timeout=120"]
 
 
 def _answered(release_nb, source_nb, slips: dict[str, str]):
@@ -298,12 +313,11 @@ def run_pipeline(course: Path) -> dict:
             target = course / "submitted" / student / assignment / name
             target.parent.mkdir(parents=True, exist_ok=True)
             nbformat.write(nb, str(target))
-    # One gradebook per assignment. The autogrades run one after the other: two side by side once left a kernel
-    # waiting for ten minutes (their kernels pick TCP ports independently and can collide).
+    # One gradebook per assignment; the autogrades run one after the other.
     for assignment in PIPELINE_CHAPTERS:
         shutil.copy(course / "gradebook.db", course / f"gradebook-{assignment}.db")
         db = f"--db=sqlite:///{course / f'gradebook-{assignment}.db'}"
-        _finish(_nbgrader(course, "autograde", assignment, db), f"autograde {assignment}")
+        _finish(_nbgrader(course, "autograde", assignment, db, *_kernel_options(course)), f"autograde {assignment}")
         _finish(_nbgrader(course, "generate_feedback", assignment, db), f"generate_feedback {assignment}")
     scores, feedback = {}, {}
     for assignment, name in PIPELINE_CHAPTERS.items():
