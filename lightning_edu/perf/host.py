@@ -74,23 +74,22 @@ def _calls(d: int, T: int, heads: int = 4):
         with torch.autograd.set_multithreading_enabled(False):
             step(lightning_attention(*leaves, decay, backend="triton"))
 
-    def tritons_launch():
-        _tiles.FAST_LAUNCH, ops.REPLAY = False, False
-        try:
-            kernels()
-        finally:
-            _tiles.FAST_LAUNCH, ops.REPLAY = True, True
-
-    def launchers():
-        ops.REPLAY = False
-        try:
-            kernels()
-        finally:
-            ops.REPLAY = True
+    def without(*switches):
+        # kernels() with module switches, (module, name) pairs, turned off for the call and restored after it
+        def run():
+            saved = [getattr(module, name) for module, name in switches]
+            for module, name in switches:
+                setattr(module, name, False)
+            try:
+                kernels()
+            finally:
+                for (module, name), value in zip(switches, saved):
+                    setattr(module, name, value)
+        return run
 
     return {
-        "kernels, Triton's launch": tritons_launch,
-        "kernels, launchers' host code": launchers,
+        "kernels, Triton's launch": without((_tiles, "FAST_LAUNCH"), (ops, "REPLAY")),
+        "kernels, launchers' host code": without((ops, "REPLAY")),
         "kernels": kernels,
         "autograd Function": lambda: step(EagerLA2.apply(*leaves, l2, None, None, True)[0]),
         "custom op": lambda: step(la2_forward(*leaves, l2, None, None, True)[0]),

@@ -377,8 +377,14 @@ def aligned(x) -> bool:
     return x.data_ptr() % 16 == 0
 
 
+def is_dense(x) -> bool:
+    """Whether the kernels take tensor x as it is: contiguous and on a 16-byte boundary (:func:`aligned`).
+    :func:`dense` copies any other; the launch plans of :mod:`.ops` replay only calls whose tensors are all dense."""
+    return x.is_contiguous() and aligned(x)
+
+
 def dense(x):
-    """x itself when it is contiguous and starts on a 16-byte boundary (:func:`aligned`), else a contiguous copy
+    """x itself when it is contiguous and starts on a 16-byte boundary (:func:`is_dense`), else a contiguous copy
     (a fresh allocation, which is aligned); None as None. The kernels are handed only aligned tensors.
 
     Why. Triton specialises a launch on whether each pointer is 16-byte aligned and compiles another kernel
@@ -387,7 +393,7 @@ def dense(x):
     entry; dV, whose pass reads Q as its key, by 73-75 %), and in bf16 with one pipeline stage it read outside
     its tensors (an illegal memory access); the same values from an aligned copy were right (chapter 07). A copy
     costs one trip through memory, for inputs that are rare: torch aligns every tensor it allocates."""
-    if x is None or (x.is_contiguous() and aligned(x)):
+    if x is None or is_dense(x):
         return x
     return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from ..torch_chunked import decay_gradient, first_derivative_only
 from . import _tiles
-from ._tiles import aligned, cdiv, compile_ahead, interpreted, pad_dim, record_plan, sm_count, upcast_for_interpreter
+from ._tiles import cdiv, compile_ahead, interpreted, is_dense, pad_dim, record_plan, sm_count, upcast_for_interpreter
 from .la2_fast import choose_segments, la2_fast_forward, output_like, short_blocks
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
@@ -120,23 +120,22 @@ _UNSEEN = object()
 def _replay_key(tensors: tuple, log2_decay: Tensor, *options) -> tuple | None:
     """The key a call's :class:`~._tiles.LaunchPlan` is filed under, or None when the call is not one to replay.
 
-    A call is replayed when its tensors (q, k, v, and in the backward do and the saved states) are plain tensors
-    on one device, contiguous and starting on a 16-byte boundary, and ``log2_decay`` is a contiguous, aligned
-    float32 vector: then no launcher copies, converts or re-lays out anything, and every choice the launchers
-    make (tiles, segments, grids, strides, the kernels' specialisations) follows from the key: shapes, dtypes,
-    the device, the options (block size, ...), Triton's debug and instrumentation settings, whether launches
-    take the fast path (:data:`~._tiles.FAST_LAUNCH`), and on a GPU the current device, whose stream the
-    launches use. In the interpreter bfloat16 is converted (it computes it wrongly), so there a bfloat16 call is
-    not replayed. A dimension of length 1 may carry any stride in a contiguous tensor: a replay passes the recorded
+    A call is replayed when its tensors (q, k, v, and in the backward do and the saved states) and ``log2_decay``
+    are plain tensors on one device, dense (:func:`~._tiles.is_dense`: contiguous, on a 16-byte boundary), and
+    ``log2_decay`` is float32: then no launcher copies, converts or re-lays out anything, and every choice the
+    launchers make (tiles, segments, grids, strides, the kernels' specialisations) follows from the key: shapes,
+    dtypes, the device, the options (block size, ...), Triton's debug and instrumentation settings, whether launches
+    take the fast path (:data:`~._tiles.FAST_LAUNCH`), and on a GPU the current device, whose stream the launches
+    use. In the interpreter bfloat16 is converted (it computes it wrongly), so there a bfloat16 call is not
+    replayed. A dimension of length 1 may carry any stride in a contiguous tensor: a replay passes the recorded
     one, which the kernels multiply only by index 0."""
     if not REPLAY or _tiles._AHEAD.get():  # inside compile_ahead the launchers only compile: nothing to record
         return None
     device = tensors[0].device
-    for x in tensors:
-        if type(x) is not torch.Tensor or x.device != device or not x.is_contiguous() or (x.numel() and not aligned(x)):
+    for x in (*tensors, log2_decay):
+        if type(x) is not torch.Tensor or x.device != device or not is_dense(x):
             return None
-    if (type(log2_decay) is not torch.Tensor or log2_decay.dtype != torch.float32 or not log2_decay.is_contiguous()
-            or log2_decay.device != device or not aligned(log2_decay)):
+    if log2_decay.dtype != torch.float32:
         return None
     if interpreted(tensors[0]):
         if any(x.dtype == torch.bfloat16 for x in tensors):
