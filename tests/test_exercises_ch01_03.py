@@ -77,6 +77,12 @@ def test_normalized_linear_attention():
     _raises(ch01.check_normalized_linear_attention, no_feature_map, "without the feature map")
     _raises(ch01.check_normalized_linear_attention, wrong_denominator, "denominator of row i")
 
+    def left_product(q, k, v):  # the right values through the n x n weights the exercise forbids
+        w = elu_plus_one(q) @ elu_plus_one(k).swapaxes(-1, -2)
+        return (w / w.sum(axis=-1, keepdims=True)) @ v
+
+    _raises(ch01.check_normalized_linear_attention, left_product, "right numbers but allocated", "n x n matrix")
+
 
 # ---------------------------------------------------------------- chapter 02
 
@@ -121,6 +127,47 @@ def test_doubling_scan():
     assert "head 0 (lambda = 1.0) right" in message and "head 1 (lambda = 0.9)" in message
     _raises(ch02.check_doubling_scan, lambda q, k, v, d: np.full(q.shape[:-1] + (v.shape[-1],), np.inf), "inf or NaN")
 
+    def token_loop(q, k, v, decay):  # the right values, one step per token: the recurrence, not the scan
+        lam = np.asarray(decay)[None, :, None, None]
+        kv = np.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]))
+        o = np.empty(q.shape[:-1] + (v.shape[-1],))
+        for t in range(q.shape[2]):
+            kv = lam * kv + k[:, :, t, :, None] * v[:, :, t, None, :]
+            o[:, :, t] = np.einsum("bhk,bhkv->bhv", q[:, :, t], kv)
+        return o
+
+    _raises(ch02.check_doubling_scan, token_loop, "right values", "lines of Python", "ceil(log2 n) = 10 steps")
+
+
+def test_reader_lines_counts_the_readers_code_only_and_restores_a_tracer():
+    import sys
+
+    from lightning_edu.exercises._core import reader_lines
+
+    def five_lines():
+        a = np.zeros(3)
+        for _ in range(2):
+            a = np.cumsum(a)  # numpy's Python wrappers (np.cumsum) count nothing
+        return a
+
+    seen = []
+
+    def outer(frame, event, arg):
+        seen.append(event)
+
+    sys.settrace(outer)
+    try:
+        result, lines = reader_lines(five_lines)
+        after = sys.gettrace()
+    finally:
+        sys.settrace(None)
+    assert after is outer and np.array_equal(result, np.zeros(3))
+    # a = ..., the for line three times (two passes and the exit), the body twice, return: 7 lines, give or take the
+    # interpreter version's way of counting a loop's exit; np.cumsum's own Python lines (numpy's wrapper) add none
+    assert 5 <= lines <= 8, lines
+    _, loop_lines = reader_lines(lambda: [float(x) for x in np.arange(100)])
+    assert loop_lines >= 100, loop_lines  # a comprehension's every pass is a line of the reader's
+
 
 def test_cumsum_bytes():
     ch02.check_cumsum_bytes(lambda n, dk, dv, h, e: n * dk * dv * h * e)
@@ -148,6 +195,13 @@ def test_decay_mask():
             return np.tril(np.outer(lam**t, lam ** (-t)))
 
     _raises(ch03.check_decay_mask, negative_powers, "inf or NaN", "negative power")
+
+    def discarded_overflow(n, lam):  # right values, but lambda ** gap is formed for gap < 0 and then thrown away
+        t = np.arange(n)
+        gap = t[:, None] - t[None, :]
+        return np.where(gap >= 0, lam ** gap.astype(float), 0.0)
+
+    _raises(ch03.check_decay_mask, discarded_overflow, "overflowed", "np.maximum")
 
     def symmetric(n, lam):
         t = np.arange(n)

@@ -68,6 +68,16 @@ def test_intra_overflow_is_explained():
             check_intra_block(literal)
 
 
+def test_intra_overflow_thrown_away_by_where_still_fails():
+    def discarded(q, k, v, lam):  # right values: the inf of lambda ** (r - s), s > r, is discarded by np.where
+        r = np.arange(len(q))
+        gap = (r[:, None] - r[None, :]).astype(float)
+        return ((q @ k.T) * np.where(gap >= 0, lam**gap, 0.0)) @ v
+
+    with pytest.raises(ExerciseError, match="overflowed.*non-negative powers"):
+        check_intra_block(discarded)
+
+
 def test_intra_wrong_only_in_a_later_block_is_located():
     calls = {"n": 0}
 

@@ -91,6 +91,24 @@ def test_dq_mistakes_are_named(mistake, pattern):
         check_dq_phase(make_dq_phase(mistake))
 
 
+def _dense_factor(rows, lam):
+    gap = np.arange(rows)[:, None] - np.arange(rows)[None, :]
+    return np.where(gap >= 0, lam ** np.maximum(gap, 0), 0.0)
+
+
+def test_a_dense_c_by_c_answer_is_refused_for_its_memory():
+    # the right values in one line each, through the C x C matrix the exercises forbid
+    def dense_dv(q, k, do, lam, micro):
+        return ((q @ k.T) * _dense_factor(len(q), lam)).T @ do
+
+    def dense_dq(do, v, k, lam, micro):
+        return ((do @ v.T) * _dense_factor(len(do), lam)) @ k
+
+    for check, fn in ((check_dv_phase, dense_dv), (check_dq_phase, dense_dq)):
+        with pytest.raises(ExerciseError, match=r"right values but allocated .* 2048 x 2048 float64 matrix"):
+            check(fn)
+
+
 def test_a_raising_or_empty_function_is_reported_not_crashed():
     def boom(*args):
         raise IndexError("index 16 is out of bounds")

@@ -55,7 +55,7 @@ def test_normalized_via_ones_reports_broken_answers(fn, words):
         check_normalized_via_ones(fn)
 
 
-def _hybrid(q, k, block, *, separate=False, subtract_max=True, causal=True):
+def _hybrid(q, k, block, *, separate=False, subtract_max=True, causal=True, joint=True):
     n, d = q.shape
     scores = q @ k.T / np.sqrt(d)
     t = np.arange(n)
@@ -69,6 +69,11 @@ def _hybrid(q, k, block, *, separate=False, subtract_max=True, causal=True):
         e = np.exp(intra - m)
         if separate:
             return e / e.sum(axis=1, keepdims=True) + lin / np.maximum(lin.sum(axis=1, keepdims=True), 1e-6)
+        if joint and subtract_max:  # one scale M = max(m, log a) for both parts, a the linear part's size
+            a = lin.max(axis=1, keepdims=True)
+            big = np.maximum(m, np.log(np.where(a > 0, a, 1.0)))
+            e = np.exp(intra - big)
+            m = big
         w = e + lin * np.exp(-m)
         return w / w.sum(axis=1, keepdims=True)
 
@@ -79,6 +84,8 @@ def test_hybrid_weights_passes_and_names_each_mistake():
         check_hybrid_weights(lambda q, k, b: _hybrid(q, k, b, separate=True))
     with pytest.raises(ExerciseError, match="overflows"):
         check_hybrid_weights(lambda q, k, b: _hybrid(q, k, b, subtract_max=False))
+    with pytest.raises(ExerciseError, match="in-block maximum m alone is not enough.*joint"):
+        check_hybrid_weights(lambda q, k, b: _hybrid(q, k, b, joint=False))
     with pytest.raises(ExerciseError, match="later keys"):
         check_hybrid_weights(lambda q, k, b: _hybrid(q, k, b, causal=False))
     with pytest.raises(ExerciseError, match="causal softmax over every earlier key"):

@@ -42,3 +42,20 @@ def test_the_legend_sits_outside_every_panel():
     for ax in axes.flat:
         assert not box.overlaps(ax.get_window_extent()), "the legend overlaps a panel"
     assert [t.get_text() for t in legend.get_texts()] == [BENCH_STYLES["triton"][0], BENCH_STYLES["fla_chunk"][0]]
+
+
+def test_every_recorded_command_names_a_module_that_can_be_run_today():
+    """A record's command is how a reader reproduces it: every ``-m lightning_edu...`` module it names exists, or
+    describe_recorded names where it lives today (book.MOVED), and that does exist."""
+    import importlib.util
+    import re
+
+    from lightning_edu.book import MOVED, describe_recorded, load_recorded, repo_root
+
+    for path in sorted((repo_root() / "notebooks" / "data").glob("*.json")):
+        data = load_recorded(path.stem)
+        line = describe_recorded(data)
+        for module in re.findall(r"-m (lightning_edu[\w.]*)", data["command"]):
+            if importlib.util.find_spec(module) is None:
+                assert module in MOVED and f"{module} is {MOVED[module]} today" in line, (path.name, module)
+                assert importlib.util.find_spec(MOVED[module]) is not None, MOVED[module]

@@ -119,12 +119,40 @@ def load_recorded(name: str, root: Path | None = None) -> dict:
     return data
 
 
+# Where a recorded command's module or folder lives today, for records made before it moved.
+MOVED = {
+    "lightning_edu.bench": "lightning_edu.perf.bench",
+    "lightning_edu.torch_sweep": "lightning_edu.perf.torch_sweep",
+    "tests/gpu": "tests (the GPU tests carry the marker gpu: python -m pytest -m gpu tests)",
+}
+
+
+def _moved(command: str) -> list[str]:
+    """The notes "X is Y today" for the names of ``command`` that :data:`MOVED` lists and that no longer exist."""
+    import importlib.util
+    import re
+
+    notes = []
+    for old, new in MOVED.items():
+        if "/" in old:
+            gone = re.search(rf"(?<![\w/]){re.escape(old)}(?![\w])", command) and not (repo_root() / old).exists()
+        else:
+            gone = re.search(rf"-m {re.escape(old)}(?![\w.])", command) and importlib.util.find_spec(old) is None
+        if gone:
+            notes.append(f"{old} is {new} today")
+    return notes
+
+
 def describe_recorded(data: dict) -> str:
-    """One line naming where a recorded measurement came from, printed above its plot."""
+    """One line naming where a recorded measurement came from, printed above its plot: the machine, the date, the
+    versions, the commit and the command; for a record made before a module or folder it names moved, where that
+    lives today (:data:`MOVED`), so that the command can be run again."""
     facts = [f"{k} {data[k]}" for k in ("torch", "triton", "driver") if k in data]
     facts += [f"commit {data['commit'][:12]}"] if data.get("commit") else []
     facts = f" ({', '.join(facts)})" if facts else ""
-    return f"Recorded on {data['machine']} on {data['date']}{facts} by: {data['command']}"
+    moved = _moved(data["command"])
+    moved = f" [{'; '.join(moved)}]" if moved else ""
+    return f"Recorded on {data['machine']} on {data['date']}{facts} by: {data['command']}{moved}"
 
 
 def recorded_series(rows, method: str, key: str, *, x: str = "T", **where):

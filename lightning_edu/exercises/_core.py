@@ -34,6 +34,8 @@ __all__ = [
     "passed",
     "seeded",
     "wrong_rows",
+    "without_overflow",
+    "reader_lines",
 ]
 
 
@@ -64,6 +66,59 @@ def call_reader(fn, name: str, args, where: str = ""):
         raise
     except Exception as exc:  # the reader's bug, reported, never a crash of the check
         raise ExerciseError(f"your {name} raised {type(exc).__name__}{' ' + where if where else ''}: {exc}") from exc
+
+
+def without_overflow(name: str, call):
+    """``call()``, the reader's function called on the check's inputs, with float overflow raised instead of
+    silenced (every check runs under ``np.errstate(all="ignore")``). An answer that forms lambda ** -299 and then
+    discards it (``np.where(gap >= 0, decay ** gap, 0)``) returns the right values, but it formed an inf on the
+    way: the mistake the decay chapters teach to avoid, since a mask that multiplies instead of selecting turns
+    that inf into NaN. It fails here with a message that says so."""
+    try:
+        with np.errstate(over="raise"):
+            return call()
+    except (FloatingPointError, OverflowError) as exc:
+        raise ExerciseError(
+            f"{name} overflowed ({exc}): it formed a negative power such as lambda ** (i - j) with i < j "
+            "(0.05 ** -299 is inf in float64), even if np.where then threw it away. Build M from non-negative powers: "
+            "clamp the exponent first, lambda ** np.maximum(i - j, 0), then select with np.where"
+        ) from exc
+
+
+def reader_lines(call):
+    """(``call()``, the number of lines of Python the reader's own code ran in it). The reader's code is any code
+    outside this package and outside the interpreter's installation (numpy, the standard library): a notebook
+    cell, or a test file. A check uses the count to tell a loop over the tokens, one line per token, from the
+    few steps an algorithm is asked to take: numpy's vectorised work runs in C and counts nothing. A tracer
+    already set (a debugger, coverage) is restored afterwards."""
+    import os
+    import sys
+
+    skip = tuple(os.path.normcase(os.path.realpath(p)) + os.sep for p in
+                 {os.path.dirname(os.path.dirname(__file__)), sys.prefix, sys.base_prefix, sys.exec_prefix})
+    mine: dict[str, bool] = {}
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    def tracer(frame, event, arg):
+        name = frame.f_code.co_filename
+        if name not in mine:
+            real = os.path.normcase(os.path.realpath(name)) if not name.startswith("<") else name
+            mine[name] = not name.startswith("<frozen") and not real.startswith(skip)
+        return local if mine[name] else None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        result = call()
+    finally:
+        sys.settrace(previous)
+    return result, count
 
 
 def exception_chain(exc: BaseException, limit: int = 8):

@@ -157,5 +157,17 @@ def check_normalized_linear_attention(normalized_linear_attention, seed: int = 0
             raise ExerciseError(f"{name} matches the formula without the feature map: apply phi = elu_plus_one to q and k first")
         expect_close(name, to_numpy(got), ref, rtol=1e-9,
                      hint="the denominator of row i is phi(q_i) . sum_j phi(k_j), one number per row, broadcast over d_v")
-    passed(f"normalized linear attention matches on {len(_SHAPES)} shapes; its rows are convex combinations of v")
+    # The exercise asks for the right product: no n x n matrix. As in 1.1, memory tells the orders apart.
+    n, d = 2048, 4
+    q, k, v = random_qkv(1, 1, n, d, seed=97 + seed)
+    peak = peak_memory_numpy(lambda: normalized_linear_attention(q, k, v))
+    limit = 8 * n * n // 4
+    if peak > limit:
+        raise ExerciseError(
+            f"normalized_linear_attention gives the right numbers but allocated {peak / 2**20:.1f} MiB at n = {n}, "
+            f"d = {d}: that is an n x n matrix ({n * n * 8 / 2**20:.0f} MiB in float64), the weights phi(Q) phi(K)^T. "
+            "Form S = phi(K)^T V and z = sum_j phi(k_j) first; then row i is phi(q_i) S / (phi(q_i) . z)"
+        )
+    passed(f"normalized linear attention matches on {len(_SHAPES)} shapes, needs under {limit / 2**20:.0f} MiB at "
+           f"n = {n}; its rows are convex combinations of v")
 

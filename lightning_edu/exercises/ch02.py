@@ -6,7 +6,7 @@ import numpy as np
 
 from ..checks import random_qkv, relative_error
 from ..numpy_reference import causal_linear_recurrent, linear_attention_right
-from ._core import ExerciseError, exercise, expect_close, expect_count, expect_shape, passed, seeded
+from ._core import ExerciseError, exercise, expect_close, expect_count, expect_shape, passed, reader_lines, seeded
 
 __all__ = ["check_causal_recurrent", "check_doubling_scan", "check_cumsum_bytes"]
 
@@ -81,7 +81,21 @@ def check_doubling_scan(doubling_scan, seed: int = 0) -> None:
             )
         expect_close(name, got, ref, rtol=1e-9,
                      hint="read the shifted states BEFORE updating (copy them), or the step adds already-updated states")
-    passed(f"doubling scan matches the recurrence on {len(cases)} shapes with per-head decay (in ceil(log2 n) steps)")
+    # The values are right; now the steps. At n = 1024 the scan takes ceil(log2 n) = 10 steps, a few lines each; a
+    # loop over the tokens runs at least one line per token.
+    n = 1024
+    q, k, v = random_qkv(1, 1, n, 2, 2, seed=45 + seed)
+    got, lines = reader_lines(lambda: doubling_scan(q, k, v, np.array([0.9])))
+    expect_close(f"doubling_scan on q {q.shape}", expect_shape(f"doubling_scan on q {q.shape}", got, (1, 1, n, 2)),
+                 causal_linear_recurrent(q, k, v, np.array([0.9])), rtol=1e-9)
+    if lines > 400:
+        raise ExerciseError(
+            f"doubling_scan gives the right values, but at n = {n} your code ran {lines} lines of Python: a loop over "
+            f"the tokens (or over pairs of them), not the doubling scan's ceil(log2 n) = 10 steps. In each step, "
+            "update every position at once: states[:, :, s:] += lambda**s * states[:, :, :-s] (copied first), then s *= 2"
+        )
+    passed(f"doubling scan matches the recurrence on {len(cases) + 1} shapes with per-head decay, in a few steps at "
+           f"n = {n}, not one per token")
 
 
 @exercise("2.3")

@@ -12,7 +12,7 @@ import numpy as np
 from ..checks import random_qkv, relative_error
 from ..numpy_blockwise import block_slices, blockwise_forward
 from ..numpy_reference import causal_linear_masked, causal_linear_recurrent
-from ._core import ExerciseError, exercise, expect_close, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, exercise, expect_close, expect_shape, passed, without_overflow, wrong_rows
 
 __all__ = ["check_intra_block", "check_state_update", "check_blockwise_attention"]
 
@@ -92,7 +92,8 @@ def check_intra_block(intra_block, seed: int = 0) -> None:
             qi, ki, vi = q[start:stop], k[start:stop], v[start:stop]
             ref = _ref_intra(qi, ki, vi, lam)
             name = f"intra_block on block {index} (rows {start}-{stop - 1}, lambda = {lam})"
-            got = expect_shape(name, intra_block(qi.copy(), ki.copy(), vi.copy(), lam), ref.shape)
+            got = expect_shape(name, without_overflow(name, lambda: intra_block(qi.copy(), ki.copy(), vi.copy(), lam)),
+                               ref.shape)
             if not np.all(np.isfinite(got)):
                 raise ExerciseError(f"{name} contains inf or NaN: build M from non-negative powers, lambda ** max(r - s, 0), never lambda ** -s")
             if relative_error(got, ref) <= 1e-10:

@@ -4,7 +4,8 @@
 of one head (chunk lengths that the micro-chunk size divides and lengths that it does not) and compare with
 :func:`lightning_edu.numpy_la3.intra_dv` and :func:`~lightning_edu.numpy_la3.intra_dq` (float64). A failure
 names the first wrong micro-chunk and its rows, and recognises the typical mistakes: a diagonal tile used
-without its causal mask, the design note's dQ stored per key micro-chunk, a wrong decay exponent.
+without its causal mask, the design note's dQ stored per key micro-chunk, a wrong decay exponent, and a C x C
+matrix formed where the exercise asks for tiles (peak memory on a 2048-row chunk).
 """
 
 from __future__ import annotations
@@ -114,7 +115,32 @@ def _check(fn, name: str, reference, dense, make_args, per_j=None, seed: int = 0
                                 "lambda = 1, so the decay is off: tile (i, j) needs lambda^((i - j) c + r - s), the "
                                 "distance between query row r of micro-chunk i and key row s of micro-chunk j")
         raise ExerciseError(f"{name} differs {where}: {_where(got, ref, micro)}")
+    _check_tiled(fn, name, make_args, seed)
     return True
+
+
+_LONG = (2048, 4, 4, 0.99, 64)  # a chunk long enough that a C x C matrix (32 MiB in float64) stands out
+
+
+def _check_tiled(fn, name: str, make_args, seed: int) -> None:
+    """Right values are not the whole exercise: the phase must work on micro-chunk tiles, never on the C x C
+    matrix. On a 2048-row chunk with 64-row micro-chunks, tiles need about 0.1 MiB; the check allows a quarter of
+    the 32 MiB a C x C float64 matrix takes, measured with tracemalloc (numpy reports its buffers there)."""
+    from ..perf.measure import peak_memory_numpy
+
+    rows, d_k, d_v, lam, micro = _LONG
+    q, k, v, do = _inputs(len(_CASES), rows, d_k, d_v, seed)
+    args, ref, width = make_args(q, k, v, do, lam, micro)
+    out = {}
+    peak = peak_memory_numpy(lambda: out.setdefault("got", _call(fn, name, args, (rows, width))))
+    where = f"for a chunk of {rows} rows, d_k = {d_k}, d_v = {d_v}, lambda = {lam}, micro = {micro}"
+    if not _same(out["got"], ref):
+        raise ExerciseError(f"{name} differs {where}: {_where(out['got'], ref, micro)}")
+    square = rows * rows * 8
+    if peak > square / 4:
+        raise ExerciseError(f"{name} gives the right values but allocated {peak / 2**20:.1f} MiB {where}: a {rows} x "
+                            f"{rows} float64 matrix takes {square / 2**20:.0f} MiB. Never form the C x C scores or "
+                            f"decay: work tile by tile, at most {micro} x {micro} at a time (tile_decay gives one tile's)")
 
 
 @exercise("9.1", reveals=("intra_dv", "_intra_key_side"), allowed=("lightning_edu.numpy_la3.tile_decay",))
@@ -129,7 +155,8 @@ def check_dv_phase(dv_phase, seed: int = 0) -> None:
         return ((q @ k.T) * _dense_decay(q.shape[0], lam, micro, diagonal)).T @ do
 
     _check(dv_phase, "dv_phase", intra_dv, dense, make_args, seed=seed)
-    passed("the dV phase matches numpy_la3.intra_dv on every chunk, partial last micro-chunks included")
+    passed("the dV phase matches numpy_la3.intra_dv on every chunk, partial last micro-chunks included, tile by "
+           "tile (no C x C matrix at C = 2048)")
 
 
 @exercise("9.2", reveals=("intra_dq", "_intra_query_side"), allowed=("lightning_edu.numpy_la3.tile_decay",))
@@ -147,4 +174,5 @@ def check_dq_phase(dq_phase, seed: int = 0) -> None:
         return _dq_per_j(do, v, k, lam, micro)
 
     _check(dq_phase, "dq_phase", intra_dq, dense, make_args, per_j, seed=seed)
-    passed("the dQ phase matches numpy_la3.intra_dq on every chunk, partial last micro-chunks included")
+    passed("the dQ phase matches numpy_la3.intra_dq on every chunk, partial last micro-chunks included, tile by "
+           "tile (no C x C matrix at C = 2048)")

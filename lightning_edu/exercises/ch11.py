@@ -124,11 +124,14 @@ def check_normalized_via_ones(normalized_via_ones, seed: int = 0) -> None:
 
 # ---------------------------------------------------------------------------------------------- 11.2
 
-_HYBRID_CASES = [  # (n, d, block, scale of q and k)
-    (24, 4, 8, 1.0),
-    (30, 5, 7, 1.0),  # a block size that does not divide n
-    (16, 4, 16, 1.0),  # one block: causal softmax
-    (20, 4, 6, 30.0),  # large scores: exp overflows unless the row maximum is subtracted
+_HYBRID_CASES = [  # (n, d, block, scale of q and k, k_t = -q_t at each block's first row)
+    (24, 4, 8, 1.0, False),
+    (30, 5, 7, 1.0, False),  # a block size that does not divide n
+    (16, 4, 16, 1.0, False),  # one block: causal softmax
+    (20, 4, 6, 30.0, False),  # large scores: exp overflows unless the row maximum is subtracted
+    # A block's first row sees one in-block key, its own, at score -|q_t|^2 / sqrt(d), about -1800: its in-block
+    # maximum m is that score, and the linear part scaled by exp(-m) overflows. Only a joint scale survives.
+    (20, 4, 5, 30.0, True),
 ]
 
 
@@ -138,18 +141,28 @@ def check_hybrid_weights(hybrid_weights, seed: int = 0) -> None:
     """Check ``hybrid_weights(q, k, block_size)``: q, k (n, d); returns the (n, n) weights of the hybrid block with
     lambda = 1, scale d^-0.5 and the elu+1 map: exp(scores) inside the row's block (causal), phi(q_t) . phi(k_s)
     for keys in earlier blocks, each row divided by its one joint sum."""
-    for case, (n, d, block, scale) in enumerate(_HYBRID_CASES):
+    for case, (n, d, block, scale, opposed) in enumerate(_HYBRID_CASES):
         rng = np.random.default_rng(1110 + case + seed)
         q, k = rng.standard_normal((2, n, d)) * scale
+        if opposed:
+            k[::block] = -q[::block]
         ref = attention_weights(q, k, "hybrid", block_size=block)
         got = _call(hybrid_weights, "hybrid_weights", (q, k, block), (n, n))
-        where = f"for n = {n}, d = {d}, block_size = {block}" + (f", q and k scaled by {scale:g}" if scale != 1 else "")
+        where = (f"for n = {n}, d = {d}, block_size = {block}" + (f", q and k scaled by {scale:g}" if scale != 1 else "")
+                 + (", k_t = -q_t at each block's first row" if opposed else ""))
         if _same(got, ref):
             continue
         if not np.isfinite(got).all():
             bad = int(np.flatnonzero(~np.isfinite(got).all(axis=1))[0])
-            hint = ("exp of a large score overflows: subtract the row's largest in-block score before exp, and put the "
-                    "linear part on the same scale" if scale > 1 else "check every division")
+            if opposed:
+                hint = ("the in-block maximum m alone is not enough: at a block's first row every in-block score is "
+                        "about -1800, so the linear part times exp(-m) overflows. Scale both parts by one joint e^-M, "
+                        "M = max(m, log a) with a the size of the linear part (section 11.5)")
+            elif scale > 1:
+                hint = ("exp of a large score overflows: subtract the row's largest in-block score before exp, and put "
+                        "the linear part on the same scale")
+            else:
+                hint = "check every division"
             raise ExerciseError(f"hybrid_weights has NaN or inf in row {bad} {where}. Hint: {hint}")
         if np.any(np.triu(got, 1) != 0):
             raise ExerciseError(f"hybrid_weights gives weight to later keys {where} (entries above the diagonal): the "
@@ -163,4 +176,5 @@ def check_hybrid_weights(hybrid_weights, seed: int = 0) -> None:
                                 "over every earlier key; keys in earlier blocks get phi(q_t) . phi(k_s), not exp(score)")
         raise ExerciseError(f"hybrid_weights differs {where}: {_first_wrong(got, ref)}")
     passed(f"hybrid_weights matches the joint hybrid on {len(_HYBRID_CASES)} cases (one block = causal softmax, "
-                  "a block size that does not divide n, scores large enough to overflow a plain exp)")
+           "a block size that does not divide n, scores large enough to overflow a plain exp, in-block scores so "
+           "negative that only a joint scale survives)")

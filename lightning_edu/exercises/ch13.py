@@ -2,8 +2,9 @@
 
 * :func:`check_fit_tgs` -- the reader's ``fit_tgs(contexts, tgs) -> (a, b)``: the line 1 / TGS = a + b T fitted
   by least squares, a and b in seconds per token. The inputs are made from known (a, b), a flat model (b = 0)
-  among them, so the answer is known without calling the package. It recognises a and b swapped, a line fitted
-  to TGS itself instead of its reciprocal, 1 / TGS fitted against 1 / T, and microseconds for seconds.
+  among them, with 2 % noise, and the answer is numpy's least-squares fit to them, not the package's. It
+  recognises a and b swapped, a line fitted to TGS itself instead of its reciprocal, 1 / TGS fitted against
+  1 / T, microseconds for seconds, and a line through the first and last points.
 * :func:`check_perplexity_gap` -- the reader's ``perplexity_gap(loss, baseline_loss)``: how much larger one
   model's perplexity is than the baseline's, in percent, from two losses in nats. It recognises the ratio of the
   losses taken for the ratio of the perplexities, the ratio left without "- 1", a fraction for a percentage,
@@ -35,6 +36,7 @@ def _fit_variants(T, x):
         "tgs itself": (a_lin, b_lin),
         "against 1/T": (a_inv, b_inv),
         "microseconds": (a * 1e6, b * 1e6),
+        "two points": (1 / x[0] - T[0] * (1 / x[-1] - 1 / x[0]) / (T[-1] - T[0]), (1 / x[-1] - 1 / x[0]) / (T[-1] - T[0])),
     }
 
 
@@ -46,6 +48,8 @@ _FIT_HINTS = {
     "against 1/T": "1 / TGS was fitted against 1 / T: the attention cost of a token grows with T, so the x-axis "
                    "is T itself",
     "microseconds": "a and b are in microseconds: 1 / TGS is already in seconds per token; keep seconds",
+    "two points": "the line goes through the first and the last point: measurements scatter, and least squares "
+                  "weighs every point (np.polyfit(T, 1 / TGS, 1))",
 }
 
 
@@ -74,18 +78,23 @@ def check_fit_tgs(fit_tgs, seed: int = 0) -> None:
     if seed:
         rng = seeded(seed)
         lines = [(rng.uniform(3e-6, 40e-6), rng.uniform(0.0, 3e-9)) for _ in range(4)]
-    for a, b in lines:
+    for i, (a, b) in enumerate(lines):
         T = list(_CONTEXTS)
-        tgs = [1.0 / (a + b * t) for t in T]
-        where = f"for TGS = 1 / ({a:.3g} + {b:.3g} T) at T = 1K..92K"
+        # Measured TGS scatters about the line: 2 % noise, so that only a least-squares fit over every point
+        # gives the expected (a, b), not a line through two of them.
+        noise = 1 + 0.02 * np.random.default_rng([1301, seed, i]).standard_normal(len(T))
+        tgs = [float(x) for x in noise / (a + b * np.asarray(T, float))]
+        slope, intercept = np.polyfit(np.asarray(T, float), 1 / np.asarray(tgs), 1)
+        where = f"for TGS about 1 / ({a:.3g} + {b:.3g} T), 2 % noise, at T = 1K..92K"
         got = _read_pair(call_reader(fit_tgs, "fit_tgs", (list(T), list(tgs)), where), where)
-        if _close(got, (a, b)):
+        if _close(got, (intercept, slope)):
             continue
         for name, variant in _fit_variants(T, tgs).items():
             if _close(got, variant):
                 raise ExerciseError(f"fit_tgs is wrong {where}: {_FIT_HINTS[name]}")
-        raise ExerciseError(f"fit_tgs returned a = {got[0]:.4g}, b = {got[1]:.4g} {where}; expected a = {a:.4g} s and "
-                            f"b = {b:.4g} s per token of context (np.polyfit(T, 1 / TGS, 1) gives (b, a))")
+        raise ExerciseError(f"fit_tgs returned a = {got[0]:.4g}, b = {got[1]:.4g} {where}; expected a = {intercept:.4g} s "
+                            f"and b = {slope:.4g} s per token of context, the least-squares line through every point "
+                            "(np.polyfit(T, 1 / TGS, 1) gives (b, a))")
     passed("fit_tgs recovers a and b of 1 / TGS = a + b T: a softmax-like, an LA-1-like and a flat model")
 
 
