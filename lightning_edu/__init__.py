@@ -2,7 +2,7 @@
 
 The interface: :func:`lightning_attention`, :func:`lightning_attention_backward` and
 :func:`lightning_attention_step`, one decoding step (:mod:`.api`), and beside them the normalised variants of
-chapter 10, :func:`normalized_attention` (with :func:`normalized_attention_step`) and the softmax/linear
+chapter 11, :func:`normalized_attention` (with :func:`normalized_attention_step`) and the softmax/linear
 :func:`hybrid_attention`, whose feature maps live in :mod:`.feature_maps`; every argument check in one place
 (:mod:`.validation`), and every implementation registered once with what it supports and what it is checked
 against (:mod:`.registry`).
@@ -12,7 +12,7 @@ The ladder, one module per rung, each checked against the rung below:
 * :mod:`.numpy_reference` -- float64 references closest to the math (chapters 01-03)
 * :mod:`.numpy_blockwise` -- the paper's Algorithms 1-2 in numpy (chapters 04-05)
 * :mod:`.torch_chunked`   -- vectorised PyTorch with a hand-written backward (chapter 06)
-* :mod:`.triton_kernels`  -- IO-aware Triton GPU kernels (chapters 07-08)
+* :mod:`.triton_kernels`  -- IO-aware Triton GPU kernels (chapters 07-10)
 
 Trust: :mod:`.checks` (comparisons, the ``cmp`` table), :mod:`.precision` (the error bound of every
 backend and dtype), :mod:`.errata` (the printed equations of the Lightning Attention-2 paper and the LA-3

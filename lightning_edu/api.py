@@ -49,8 +49,8 @@ def lightning_attention(
 
     q, k: (batch, heads, n, d_k); v: (batch, heads, n, d_v); decay: lambda in (0, 1], a float or one value
     per head; initial_state: (batch, heads, d_k, d_v). ``backend`` is "numpy" (float64, numpy arrays),
-    "torch", "triton" or "auto" (numpy for numpy arrays, triton for CUDA tensors, torch otherwise).
-    Returns o (batch, heads, n, d_v), or (o, KV_n) with ``return_state=True``.
+    "torch", "triton" or "auto" (numpy for numpy arrays, triton for float32/16-bit CUDA tensors, torch
+    otherwise). Returns o (batch, heads, n, d_v), or (o, KV_n) with ``return_state=True``.
 
     Any strides will do. The "triton" backend reads q, k and v where they lie when their head dim is contiguous
     and they start on a 16-byte boundary, as every tensor torch allocates does (a model's views of one
@@ -107,8 +107,8 @@ def lightning_attention_backward(
 
     ``d_final_state`` is dL/dKV_n when the final state was used too; with ``return_state_grad=True`` the
     result also carries dL/d initial_state: (dq, dk, dv, d_initial_state). ``backend`` as in
-    :func:`lightning_attention` ("auto": numpy for numpy arrays, triton for CUDA tensors, torch otherwise), and
-    ``cu_seqlens`` too (a packed batch: d_final_state and d_initial_state are then per sequence).
+    :func:`lightning_attention` ("auto": numpy for numpy arrays, triton for float32/16-bit CUDA tensors, torch
+    otherwise), and ``cu_seqlens`` too (a packed batch: d_final_state and d_initial_state are then per sequence).
 
     Unsupported: everything :func:`lightning_attention` refuses, ``do=None`` (a TypeError: the backward needs
     dL/do), and a decay tensor that requires grad (a TypeError: this function returns no dL/dlambda; call
@@ -128,13 +128,13 @@ def lightning_attention_backward(
 
 
 def lightning_attention_step(q, k, v, state=None, decay=1.0, *, backend: str = "auto"):
-    """One decoding step: the recurrence of :func:`lightning_attention` advanced by one token. (Chapter 02.)
+    """One decoding step: the recurrence of :func:`lightning_attention` advanced by one token. (Chapter 10.)
 
     Per batch and head: ``new_state = lambda state + k^T v`` (k^T v the d_k x d_v outer product) and
     ``o = q new_state``. q, k: (batch, heads, d_k); v: (batch, heads, d_v); state: (batch, heads, d_k, d_v),
     None meaning zeros; decay: lambda in (0, 1], a float or one value per head. Returns (o, new_state) with
     o (batch, heads, d_v). ``backend`` as in :func:`lightning_attention` ("auto": numpy for numpy arrays,
-    triton for CUDA tensors, torch otherwise).
+    triton for float32/16-bit CUDA tensors, torch otherwise).
 
     Generation is a prefill, then one step per new token::
 

@@ -5,7 +5,7 @@ cell with the model answer between ``### BEGIN SOLUTION`` and ``### END SOLUTION
 its check from :mod:`lightning_edu.exercises`. :func:`normalise` gives those cells nbgrader's metadata (the
 statement locked, the answer a solution cell, the check a locked grade cell worth its points) and a hidden test
 (the same check on fresh random inputs, ``seed=None``) between ``### BEGIN HIDDEN TESTS`` and
-``### END HIDDEN TESTS``; an older layout, with the check in the answer cell, is split. It is idempotent, and it
+``### END HIDDEN TESTS``; a check written at the end of the answer cell is split into its own cell. It is idempotent, and it
 is how a new chapter becomes an assignment.
 
 Commands (``python -m lightning_edu.assignments ...``)::
@@ -408,8 +408,8 @@ def student_source(nb):
     hidden: dict[str, list[str]] = {}
     for ex in exercises(nb):
         for check in _checks_of(ex, modules):
-            for name in getattr(check, "reveals", ()):
-                hidden.setdefault(name, []).append(ex.number)
+            for name in getattr(check, "reveals", ()):  # a dotted name (module.function) is matched by its last part
+                hidden.setdefault(name.rsplit(".", 1)[-1], []).append(ex.number)
     for cell in nb.cells[:start]:
         if cell.cell_type != "code" or "show_source" not in _source(cell):
             continue
@@ -528,7 +528,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("normalise", help="give chapters nbgrader's cell metadata and hidden tests (in place)")
     p.add_argument("notebooks", nargs="+")
-    p.add_argument("--points", nargs="*", metavar="N.k=P", help="points of an exercise (default 1)")
+    p.add_argument("--points", nargs="*", metavar="N.k=P", help="points of an exercise (default: the points it has, else 1)")
     p.add_argument("--check", action="store_true", help="only report what would change; exit 1 if anything would")
     p = sub.add_parser("course", help="lay out a course folder from chapters (never overwrites a file)")
     p.add_argument("dir")

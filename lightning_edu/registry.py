@@ -258,7 +258,7 @@ register(Implementation(
     f"{_TC}:step_from_args", dtypes=_TORCH_DTYPES, differentiable=True, checked_against="numpy.step", backend=True,
     op="step"))
 register(Implementation(
-    "triton.decode", "triton", "07-08", "one decoding step in one Triton kernel launch",
+    "triton.decode", "triton", "10", "one decoding step in one Triton kernel launch",
     f"{_TK}:decode_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256, checked_against="torch.step", backend=True,
     bench=None, op="step"))
 

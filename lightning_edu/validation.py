@@ -129,7 +129,7 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay", *,
     torch tensor with one value per head.  With ``heads=None`` the number of values is not checked and a
     scalar gives an array of shape (1,).
 
-    Two kinds of torch tensor are returned as tensors of shape (heads,) instead, when ``keep_tensor``
+    Three kinds of torch tensor are returned as tensors of shape (heads,) instead, when ``keep_tensor``
     (the torch and triton backends) allows it:
 
     * one on a GPU: its shape and dtype are checked, its values are not read, since reading them would make
@@ -170,8 +170,9 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay", *,
         if wants_grad and not allow_grad:
             raise TypeError(
                 f"{name} requires grad, but this call computes no gradient with respect to lambda (only "
-                f"lightning_attention with backend 'torch' or 'triton', and lightning_attention_step with backend "
-                f"'torch', do); pass {name}.detach() (or a float) to treat lambda as a constant"
+                f"lightning_attention, normalized_attention and hybrid_attention with backend 'torch' or 'triton', "
+                f"and the step functions with backend 'torch', do); pass {name}.detach() (or a float) to treat "
+                f"lambda as a constant"
             )
         compiling = _torch().compiler.is_compiling()  # then a CPU tensor's values are graph values, not constants
         if keep_tensor and (decay.device.type != "cpu" or wants_grad or compiling):
@@ -482,7 +483,7 @@ def validate_choice(name: str, value: Any, choices: tuple) -> str:
 def validate_int(name: str, value: Any, minimum: int) -> int:
     """A Python/numpy integer >= ``minimum`` (bool refused), e.g. a layer index or a count. Returns int."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
@@ -514,7 +515,7 @@ def validate_head_dims(d_k: int, d_v: int, max_dim: int, who: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Feature maps, the normaliser and the softmax/linear hybrid (chapter 10's feature-map section):
+# Feature maps, the normaliser and the softmax/linear hybrid (chapter 11):
 # lightning_edu.api.normalized_attention, hybrid_attention and lightning_edu.feature_maps.
 # --------------------------------------------------------------------------------------------------
 
@@ -621,8 +622,9 @@ def validate_hybrid_args(q: Any, k: Any, v: Any, decay: Any, block_size: Any, sc
     if backend == "auto" and _kind(q) == "torch":
         backend = "torch"
     args = validate_attention_args(q, k, v, decay, backend=backend, decay_grad=True)
-    if block_size is None:
-        raise TypeError("block_size must be a positive integer (the length of the softmax blocks), got None")
+    if block_size is None or isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
+        raise TypeError("block_size must be a positive integer (the length of the softmax blocks), got "
+                        f"{type(block_size).__name__} {block_size!r}")
     block = validate_block_size(block_size)
     scale = args.d_k ** -0.5 if scale is None else check_finite_scalar("scale", scale)
     return args, block, scale

@@ -86,7 +86,7 @@ def test_every_exercise_has_its_three_cells_and_a_declared_check(chapter):
 def test_the_students_copy_shows_no_source_an_exercise_asks_for(chapter):
     nb = read(chapter.path)
     modules = assignments._imports(nb)
-    reveals = {name for ex in exercises(nb) for check in assignments._checks_of(ex, modules)
+    reveals = {name.rsplit(".", 1)[-1] for ex in exercises(nb) for check in assignments._checks_of(ex, modules)
                for name in getattr(check, "reveals", ())}
     copy = student_source(nb)
     for cell in copy.cells:
@@ -100,6 +100,14 @@ def test_the_hidden_sources_are_the_ones_exercises_ask_for():
     notes = [c.source for c in copy.cells if "left out of this assignment" in c.source]
     assert any("The source of algorithm1 is left out of this assignment: exercises 4.1, 4.2, 4.3 ask you" in n for n in notes)
     assert any("block_factors" in n for n in notes)
+
+
+def test_a_reveal_named_with_its_module_is_hidden_too():
+    # 13.1 declares reveals=("lightning_edu.perf.tgs.fit_tgs",); the chapter shows show_source(fit_tgs)
+    copy = student_source(read(ROOT / "notebooks" / "13_models.ipynb"))
+    shown = [t for c in copy.cells for t in re.findall(r"show_source\(\s*([\w.]+)", c.source)]
+    assert "fit_tgs" not in shown
+    assert any("The source of fit_tgs is left out of this assignment: exercise 13.1 asks you" in c.source for c in copy.cells)
 
 
 def test_the_config_file_is_the_template():

@@ -124,3 +124,29 @@ def test_reverse_sweep_eq19_slip_is_named():
 def test_reverse_sweep_must_return_a_pair():
     with pytest.raises(ExerciseError, match="pair"):
         check_reverse_sweep(lambda *a: sweep(*a)[0])
+
+
+def test_dk_inter_from_the_papers_lambda_b_lambda_inverse_fails_on_long_blocks():
+    # lambda^B Lambda^-1 built literally: right on short blocks, lambda^-300 overflows at lambda = 0.05
+    def literal(v_block, dkv, decay):
+        r = np.arange(v_block.shape[-2])[:, None]
+        lam = np.asarray(decay)[None, :, None, None]
+        with np.errstate(over="ignore", invalid="ignore"):
+            return lam ** v_block.shape[-2] * lam ** (-(r + 1.0)) * (v_block @ dkv.swapaxes(-1, -2))
+
+    with pytest.raises(ExerciseError, match="block size 300.*NaN"):
+        check_dk_inter(literal)
+
+
+def test_a_reverse_sweep_without_the_sweep_is_refused():
+    # right values from the n x n masked formulas: no loop over blocks, which the exercise asks for
+    def dense(q, k, v, do, decay, block_size):
+        i = np.arange(q.shape[2])
+        gap = i[:, None] - i[None, :]
+        lam = np.asarray(decay)[:, None, None]
+        mask = np.where(gap >= 0, lam ** np.maximum(gap, 0), 0.0)
+        return (((do @ v.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ q,
+                ((q @ k.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ do)
+
+    with pytest.raises(ExerciseError, match="right values, but your code ran .* no loop over the blocks"):
+        check_reverse_sweep(dense)

@@ -144,3 +144,34 @@ def test_nan_answers_get_a_message_not_an_index_error():
 
     with pytest.raises(ExerciseError, match="contains NaN"):
         ch06.check_inter_block_outputs(inter_all_nan)
+
+
+def test_a_state_scan_that_divides_by_cumulative_decay_fails():
+    # the "log-depth" rewrite S_i = P_i (S_0 + sum_j L_j / P_j): right while P_j stays representable
+    def divided(local, block_decay, initial):
+        cum = torch.cumprod(block_decay, dim=1)
+        pre = torch.cat([torch.ones(block_decay.shape[0], 1, dtype=block_decay.dtype), cum], 1)
+        states = pre[None, :, :, None, None] * initial[:, :, None]
+        states[:, :, 1:] += cum[None, :, :, None, None] * torch.cumsum(local / cum[None, :, :, None, None], 2)
+        return states
+
+    with pytest.raises(ExerciseError, match="NaN or inf"):
+        ch06.check_state_scan(divided)
+
+
+def test_a_python_loop_over_the_blocks_is_named():
+    def per_block(qb, states, lam):  # right values, one block at a time
+        r = torch.arange(qb.shape[-2], dtype=lam.dtype)
+        scale = lam[:, None, None] ** (r + 1)[None, :, None]
+        return torch.stack([(scale * qb[:, :, i]) @ states[:, :, i] for i in range(qb.shape[2])], 2)
+
+    with pytest.raises(ExerciseError, match="right values, but your code ran .* Python loop over the blocks"):
+        ch06.check_inter_block_outputs(per_block)
+
+    def per_block_dq(dob, states, lam):
+        r = torch.arange(dob.shape[-2], dtype=lam.dtype)
+        scale = lam[:, None, None] ** (r + 1)[None, :, None]
+        return torch.stack([scale * (dob[:, :, i] @ states[:, :, i].transpose(-1, -2)) for i in range(dob.shape[2])], 2)
+
+    with pytest.raises(ExerciseError, match="Python loop over the blocks"):
+        ch06.check_inter_block_dq(per_block_dq)

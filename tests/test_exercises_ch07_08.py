@@ -35,6 +35,8 @@ def decay_tile_kernel(OUT, log2_lam, row_start, col_start, n, BLOCK: tl.constexp
         tile = tl.where(distance >= 0, tl.exp2(log2_lam * tl.maximum(distance, 0).to(tl.float32)), 0.0)
     elif MISTAKE == 3:  # off by one power
         tile = tl.where(keep, tl.exp2(log2_lam * (tl.maximum(distance, 0) + 1).to(tl.float32)), 0.0)
+    elif MISTAKE == 4:  # right values: the negative powers are formed, then selected away
+        tile = tl.where(keep, tl.exp2(log2_lam * distance.to(tl.float32)), 0.0)
     else:
         tile = tl.where(keep, tl.exp2(log2_lam * tl.maximum(distance, 0).to(tl.float32)), 0.0)
     tl.store(OUT + r[:, None] * BLOCK + r[None, :], tile)
@@ -66,6 +68,8 @@ def forward_kernel(Q, K, V, O, KV_OUT, LOG2_DECAY, n, H,
         if MISTAKE == 2:  # the full block size even for the partial last block
             b_used = BLOCK
         k_scale = tl.where(ok, tl.exp2(log2_lam * tl.maximum(b_used - 1 - r, 0).to(tl.float32)), 0.0)
+        if MISTAKE == 4:  # neither clamped nor masked: padded rows get lambda^-(r - b + 1), and k = 0 there
+            k_scale = tl.exp2(log2_lam * (b_used - 1 - r).to(tl.float32))
         o += tl.dot(q * tl.exp2(log2_lam * q_power)[:, None], kv)
         if MISTAKE == 3:  # the carried state is not decayed
             kv = kv + tl.dot(tl.trans(k * k_scale[:, None]), v)
@@ -127,6 +131,7 @@ def test_decay_tile_solution_passes(capsys):
     (1, r"key block 0\) at lambda = 0.9: entries above the diagonal \(key after query\) must be 0"),
     (2, "rows past n = 45 must be 0"),
     (3, r"tile \(query block 0, key block 0\) at lambda = 0.9 differs first in rows 0\.\.15"),
+    (4, r"overflowed at lambda = 0.05 .*formed a negative power of lambda.*even if tl.where then threw it away"),
 ])
 def test_decay_tile_mistakes(mistake, message):
     with pytest.raises(ExerciseError, match=message):
@@ -142,6 +147,7 @@ def test_inter_block_solution_passes(capsys):
     (1, r"O differs first in block 1 \(rows 16-31\).*the final state is right, so the inter part is off.*not lambda\^r"),
     (2, r"O is right but the final state KV_OUT differs.*b = 5 valid rows of 16"),
     (3, r"O differs first in block 2 \(rows 32-36\).*the state carried from block to block is wrong"),
+    (4, r"final state KV_OUT differs for \(batch 1, heads 2, n 33.*k_scale = 0 on padded rows"),
 ])
 def test_inter_block_mistakes(mistake, message):
     with pytest.raises(ExerciseError, match=message):
@@ -188,6 +194,8 @@ def la1_dq_kernel(K, V, DO, DQ, LOG2_DECAY, n, H, D_K: tl.constexpr, D_V: tl.con
             distance = r[:, None] - r[None, :]
         keep = (rows[:, None] - cols[None, :] >= 0) & (cols[None, :] < n)
         decay = tl.where(keep, tl.exp2(log2_lam * tl.maximum(distance, 0).to(tl.float32)), 0.0)
+        if MISTAKE == 3:  # a mask that multiplies: 0 * lambda^(negative) is NaN once the power overflows
+            decay = keep.to(tl.float32) * tl.exp2(log2_lam * distance.to(tl.float32))
         acc += tl.dot(tl.dot(do, tl.trans(v)) * decay, k)
     tl.store(DQ + bh * n * D_K + rows[:, None] * D_K + ck[None, :], acc, mask=(rows < n)[:, None])
 
@@ -200,6 +208,7 @@ def test_la1_dq_solution_passes(capsys):
 @pytest.mark.parametrize("mistake,message", [
     (1, r"dq differs first in query block 0, rows 0-15, .*must include the diagonal tile"),
     (2, r"dq differs first in query block 1, rows 16-31, .*absolute positions"),
+    (3, r"dq differs first in query block 0"),
 ])
 def test_la1_dq_mistakes(mistake, message):
     with pytest.raises(ExerciseError, match=message):

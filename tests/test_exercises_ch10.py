@@ -313,3 +313,18 @@ def test_a_nan_leaking_backwards_in_its_own_sequence_is_named():
 def test_a_broken_packed_forward_is_reported_not_crashed(kind, pattern):
     with pytest.raises(ExerciseError, match=pattern):
         check_packed_forward(make_broken(kind))
+
+
+def test_a_packed_forward_through_negative_powers_fails_on_a_long_sequence():
+    # per sequence, o = (q lambda^t) cumsum(k lambda^-t v): right on short sequences, lambda^-297 overflows at 0.05
+    def negative_powers(q, k, v, lam, cu_seqlens):
+        out = np.zeros((q.shape[0], v.shape[1]))
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            t = np.arange(b - a)[:, None].astype(float)
+            with np.errstate(over="ignore", invalid="ignore"):
+                states = np.cumsum((k[a:b] * lam ** -t)[:, :, None] * v[a:b][:, None, :], 0)
+                out[a:b] = np.einsum("td,tde->te", q[a:b] * lam**t, states)
+        return out
+
+    with pytest.raises(ExerciseError, match="NaN or inf"):
+        check_packed_forward(negative_powers)

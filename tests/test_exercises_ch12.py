@@ -86,3 +86,20 @@ def test_calling_the_package_is_refused():
 
     with pytest.raises(IntegrityError, match="lightning_attention"):
         check_incoming_states(incoming_states)
+
+
+def test_incoming_states_that_divide_by_a_power_of_lambda_fail():
+    from lightning_edu.exercises.ch12 import check_incoming_states
+
+    def divided(states, counts, lam, initial_state):  # IN_r = lambda^N_r (S0 + sum lambda^-N_j S_j): overflows
+        lam3 = np.asarray(lam)[:, None, None]
+        ends = np.cumsum(counts)
+        acc, out = initial_state.copy(), [initial_state.copy()]
+        with np.errstate(over="ignore", invalid="ignore"):
+            for r in range(1, len(counts)):
+                acc = acc + lam3 ** (-float(ends[r - 1])) * states[r - 1]
+                out.append(lam3 ** float(ends[r - 1]) * acc)
+        return out
+
+    with pytest.raises(ExerciseError, match="never divide by a power of lambda"):
+        check_incoming_states(divided)

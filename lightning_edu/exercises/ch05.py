@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..numpy_blockwise import block_factors, block_slices, blockwise_backward
-from ._core import ExerciseError, exercise, expect_array, expect_close, expect_shape, passed
+from ._core import ExerciseError, exercise, expect_array, expect_close, expect_shape, passed, reader_lines
 
 __all__ = ["check_dkv_update", "check_dk_inter", "check_reverse_sweep"]
 
@@ -19,6 +19,9 @@ CASES = [
     (1, 2, 37, 5, 3, 8, [0.9, 0.5]),
     (2, 1, 64, 4, 6, 16, [0.97]),
     (1, 3, 23, 3, 2, 5, [1.0, 0.8, 0.05]),
+    # 300-row blocks at lambda = 0.05: lambda^-300 overflows float64, so the paper's lambda^B Lambda^-1 built
+    # literally (or any negative power) fails here instead of passing on short blocks
+    (1, 2, 700, 3, 2, 300, [0.05, 0.9]),
 ]
 
 
@@ -194,4 +197,17 @@ def check_reverse_sweep(reverse_sweep, seed: int = 0) -> None:
         )
         expect_close(f"dk {where}", dk, ref_dk, block_size=block, hint=hint)
         expect_close(f"dv {where}", dv, ref_dv, block_size=block, hint=hint)
-    passed(f"reverse sweep right: dk and dv match Algorithm 2 on {len(CASES)} shapes, partial last blocks included")
+    # The values are right; now the algorithm. A sweep over the blocks runs its loop body once per block, so its
+    # lines of Python grow with the block count; a dense (n x n) formula or autograd runs the same lines at any n.
+    lines = {}
+    for blocks in (4, 32):
+        q, k, v, do, decay, block = _inputs((1, 1, 8 * blocks, 2, 2, 8, [0.9]), 950 + blocks + seed)
+        _, lines[blocks] = reader_lines(lambda: _call("reverse_sweep", reverse_sweep, q, k, v, do, decay, block))
+    if lines[32] - lines[4] < 28:
+        raise ExerciseError(
+            f"reverse_sweep gives the right values, but your code ran {lines[4]} lines of Python on 4 blocks and "
+            f"{lines[32]} on 32: no loop over the blocks. The exercise asks for Algorithm 2's reverse sweep, one "
+            "block at a time from the last, carrying dKV; an n x n formula (or autograd) gets the values without it"
+        )
+    passed(f"reverse sweep right: dk and dv match Algorithm 2 on {len(CASES)} shapes, partial last blocks included, "
+           "one block at a time")

@@ -13,7 +13,7 @@ import torch
 
 from .. import torch_chunked as tc
 from ..checks import relative_error, to_numpy
-from ._core import ExerciseError, exercise, expect_close, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, exercise, expect_close, expect_shape, passed, reader_lines, wrong_rows
 
 __all__ = ["check_inter_block_outputs", "check_state_scan", "check_inter_block_dq"]
 
@@ -21,6 +21,8 @@ _CASES = [  # (batch, heads, n_blocks, B, d_k, d_v), decay per head
     ((1, 3, 5, 7, 4, 6), [1.0, 0.9, 0.05]),
     ((2, 2, 1, 5, 3, 2), [0.5, 0.99]),
     ((1, 1, 9, 4, 5, 3), [0.7]),
+    # 64-row blocks at lambda = 0.05: a division by a cumulative power of lambda (0.05^-320) overflows here
+    ((1, 2, 5, 64, 3, 2), [0.05, 0.9]),
 ]
 
 
@@ -50,6 +52,23 @@ def _call(name, fn, *args, shapes=""):
 
 def _powers(lam, exponents):
     return lam[:, None, None] ** torch.as_tensor(exponents, dtype=torch.float64)[None, :, None]  # (heads, B, 1)
+
+
+def _loop_free(name: str, fn, make_args) -> None:
+    """The exercises of this chapter ask for every block at once, in tensor operations. Values cannot tell that
+    from a Python loop over the blocks (or rows); the lines of Python the reader's code runs can: the same count
+    for 1 block and for 16 blocks of 16 rows when the work is batched, at least one more line per block when not."""
+    lines = {}
+    for n_blocks, block in ((1, 4), (16, 16)):
+        gen = torch.Generator().manual_seed(660 + n_blocks)
+        args = make_args(gen, n_blocks, block)
+        _, lines[n_blocks] = reader_lines(lambda: _call(name, fn, *args))
+    if lines[16] - lines[1] >= 15:
+        raise ExerciseError(
+            f"{name} gives the right values, but your code ran {lines[1]} lines of Python on 1 block and {lines[16]} on "
+            "16 blocks of 16 rows: a Python loop over the blocks (or the rows). The exercise asks for all blocks at "
+            "once: broadcast over the block axis, so that one batched matmul does every block"
+        )
 
 
 @exercise("6.1", reveals=("inter_block_outputs",))
@@ -88,7 +107,10 @@ def check_inter_block_outputs(inter_outputs, seed: int = 0) -> None:
             name, got.reshape(batch, heads, -1, d_v), ref_np.reshape(batch, heads, -1, d_v), rtol=1e-10, block_size=block,
             hint=f"first wrong in block {block_id}. O_inter of block i is (lambda^(r+1) * Q_i) @ states[:, :, i], one batched matmul over all blocks",
         )
-    passed(f"inter-block outputs match on {len(_CASES)} shapes (one lambda per head, 1 and 0.05 included)")
+    _loop_free("inter_outputs", inter_outputs, lambda gen, nb, b: (_randn(gen, 1, 2, nb, b, 3), _randn(gen, 1, 2, nb, 3, 2),
+                                                                  torch.tensor([0.9, 0.5], dtype=torch.float64)))
+    passed(f"inter-block outputs match on {len(_CASES)} shapes (one lambda per head, 1 and 0.05 included), all blocks "
+           "at once")
 
 
 @exercise("6.2", reveals=("scan_states",))
@@ -179,4 +201,6 @@ def check_inter_block_dq(inter_dq, seed: int = 0) -> None:
             name, got.reshape(batch, heads, -1, d_k), to_numpy(ref).reshape(batch, heads, -1, d_k), rtol=1e-10, block_size=block,
             hint="dQ_inter of block i is lambda^(r+1) * (dO_i @ S_i^T), one batched matmul over all blocks",
         )
-    passed(f"inter-block dQ matches on {len(_CASES)} shapes (one lambda per head)")
+    _loop_free("inter_dq", inter_dq, lambda gen, nb, b: (_randn(gen, 1, 2, nb, b, 2), _randn(gen, 1, 2, nb, 3, 2),
+                                                         torch.tensor([0.9, 0.5], dtype=torch.float64)))
+    passed(f"inter-block dQ matches on {len(_CASES)} shapes (one lambda per head), all blocks at once")

@@ -65,8 +65,17 @@ def check_decay_tile(decay_tile_kernel, seed: int = 0) -> None:
         for bi, bj in ((0, 0), (1, 0), (2, 1), (2, 2), (0, 1)):
             out = torch.full((block, block), float("nan"), dtype=torch.float32, device=_device())
             try:
-                decay_tile_kernel[(1,)](out, float(np.log2(lam)), bi * block, bj * block, n, BLOCK=block)
+                # In the interpreter a kernel's arithmetic is numpy's: float overflow raises, so a negative power
+                # formed and then selected away (tl.where) is caught as well as one that reaches the tile.
+                with np.errstate(over="raise"):
+                    decay_tile_kernel[(1,)](out, float(np.log2(lam)), bi * block, bj * block, n, BLOCK=block)
             except Exception as exc:  # the interpreter raises plain Python errors from the kernel body
+                if any(isinstance(e, FloatingPointError) for e in exception_chain(exc)):
+                    raise ExerciseError(
+                        f"decay_tile_kernel overflowed at lambda = {lam} (tile: query block {bi}, key block {bj}): it "
+                        "formed a negative power of lambda, exp2(log2_lambda * distance) with distance < 0, even if "
+                        "tl.where then threw it away. Clamp first: tl.maximum(distance, 0), then select with tl.where"
+                    ) from exc
                 raise _launch_error("decay_tile_kernel", exc) from exc
             got = expect_shape("the tile", out, (block, block))
             want = padded[bi * block:(bi + 1) * block, bj * block:(bj + 1) * block]
@@ -101,6 +110,9 @@ _FORWARD_SHAPES = [  # (batch, heads, n, d_k, d_v, decays): odd n so the last bl
     (1, 2, 37, 16, 32, [0.9, 0.5]),
     (2, 1, 50, 32, 16, [0.99]),
     (1, 2, 16, 16, 16, [0.05, 1.0]),
+    # a 1-row last block at lambda = 1e-3: a padded row's unclamped k_scale, lambda^-(r - b + 1), is inf in fp32 and
+    # 0 * inf = NaN reaches the state; keep k_scale = 0 on padded rows (tl.where) with a clamped exponent
+    (1, 2, 33, 16, 16, [1e-3, 1.0]),
 ]
 
 

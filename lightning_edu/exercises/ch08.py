@@ -112,7 +112,8 @@ def check_reverse_sweep_kernel(reverse_kernel, block: int = 16, seed: int = 0) -
 
 
 _LA1_SHAPES = [  # (batch, heads, n, d_k, d_v, decays)
-    (1, 2, 45, 16, 32, [0.9, 0.5]),
+    # lambda = 1e-3: a mask that multiplies (or a negative power selected away) meets 1e-3^-15, inf in fp32
+    (1, 3, 45, 16, 32, [0.9, 0.5, 1e-3]),
     (2, 1, 33, 32, 16, [1.0]),
 ]
 

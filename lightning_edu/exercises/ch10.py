@@ -49,6 +49,7 @@ _PACKED_CASES = [  # (cu_seqlens, d_k, d_v, lambda)
     ([0, 37], 5, 3, 0.95),
     ([0, 5, 21, 40, 41], 3, 7, 1.0),
     ([0, 1, 33, 34, 70], 5, 3, 0.7),
+    ([0, 3, 300], 3, 2, 0.05),  # a long sequence at a small lambda: lambda^-t overflows in a cumsum rewrite
 ]
 _SWEEP_N = 24
 _SUSPECT_BLOCKS = (8, 16, 32)

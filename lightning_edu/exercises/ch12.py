@@ -28,6 +28,7 @@ _CASES = [  # (tokens per rank, d_k, d_v, lambda per head, with an initial state
     ([8, 8], 3, 5, [0.9, 0.5], False),
     ([1, 1, 1, 1, 1], 2, 2, [0.7, 1.0], True),
     ([30, 2, 11], 5, 4, [0.99, 0.8, 0.95, 1e-3], True),
+    ([60, 50, 3], 3, 2, [1e-3, 0.9], True),  # 1e-3^-110 overflows: a division by a power of lambda fails
 ]
 
 

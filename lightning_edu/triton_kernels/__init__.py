@@ -1,6 +1,6 @@
 """Rung 3: Triton kernels, and the "triton" backend of :func:`lightning_edu.lightning_attention`.
 
-Variants (each correct, each measured in chapters 07-08 and by ``python -m lightning_edu.perf.bench``):
+Variants (each correct, each measured in chapters 07-10 and by ``python -m lightning_edu.perf.bench``):
 
 ============  ======================================================================  ==========
 variant       what                                                                    module
@@ -61,12 +61,12 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     :func:`~._tiles.dot_precision`) run on the FMA units, not the tensor cores, and every product of a larger
     tile is a longer unrolled sequence of multiply-adds that spills registers. Measured on an H100 (Triton 3.6;
     forward + backward at 16 heads x 8K tokens; the first call, on (1, 4, 1024, d) in a fresh process):
-    at d = 64, 16-row blocks and 4 warps took 1.42 ms against 15.3 ms with the earlier 64-row blocks and 8 warps
+    at d = 64, 16-row blocks and 4 warps took 1.42 ms against 15.3 ms with 64-row blocks and 8 warps
     (first call 6.1 against 8.2 s); at d = 128, 16-row blocks and 8 warps took 17.8 ms against 42.8 ms with
     32-row blocks (first call 7.2 against 9.2 s; 4 warps took 31.7 ms), with one pipeline stage. The error
     against float64 stayed at 3e-7. Above d = 128 float32 keeps 32-row blocks, 64-column slices, 8 warps and
-    two stages (not re-measured). In the interpreter float32 keeps the larger blocks it had before (64 rows up to
-    d = 64, 32 above): there a block's cost is per operation, not per element, and small blocks only mean more
+    two stages (not measured). In the interpreter float32 takes larger blocks (64 rows up to d = 64, 32 above):
+    there a block's cost is per operation, not per element, and small blocks only mean more
     of them. ``block_size`` overrides the rows.
     Returns the keyword arguments of ``la2_fast_forward``/``la2_fast_backward``: block, block_dv,
     num_warps, num_stages.
