@@ -175,3 +175,16 @@ def test_a_python_loop_over_the_blocks_is_named():
 
     with pytest.raises(ExerciseError, match="Python loop over the blocks"):
         ch06.check_inter_block_dq(per_block_dq)
+
+
+def test_a_float32_buffer_is_named_as_such():
+    def float32_buffer(local, block_decay, initial):  # torch.zeros makes float32 unless told otherwise
+        b, h, nb, dk, dv = local.shape
+        out = torch.zeros(b, h, nb + 1, dk, dv)
+        out[:, :, 0] = initial
+        for i in range(nb):
+            out[:, :, i + 1] = block_decay[:, i, None, None] * out[:, :, i] + local[:, :, i]
+        return out
+
+    with pytest.raises(ExerciseError, match="is float32: the check compares with float64"):
+        ch06.check_state_scan(float32_buffer)

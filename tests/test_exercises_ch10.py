@@ -328,3 +328,27 @@ def test_a_packed_forward_through_negative_powers_fails_on_a_long_sequence():
 
     with pytest.raises(ExerciseError, match="NaN or inf"):
         check_packed_forward(negative_powers)
+
+
+def test_exposing_the_suspect_takes_a_real_difference_not_overflow_or_rounding():
+    from lightning_edu.exercises.ch10 import check_exposes_suspect
+
+    huge = np.full((4, 2), 1e200)  # finite inputs whose outputs overflow: inf - inf "differs"
+    with pytest.raises(ExerciseError, match="right outputs themselves overflow"):
+        check_exposes_suspect(lambda: (huge, huge, huge, 0.9, [0, 4]))
+    # one sequence, terms of 1e7 that cancel to 1e-3: rounding differences, no boundary crossed
+    k = np.concatenate([np.full((20, 2), 1e7), np.full((20, 2), -1e7 + 1e-3)])
+    with pytest.raises(ExerciseError, match="no boundary to cross"):
+        check_exposes_suspect(lambda: (np.ones((40, 2)), k, np.ones((40, 2)), 0.9, [0, 40]))
+
+
+def test_a_float32_packed_output_is_named_as_such():
+    def float32_out(q, k, v, lam, cu_seqlens):  # a token recurrence, reset at each boundary, into a float32 buffer
+        out, state, starts = np.zeros((q.shape[0], v.shape[1]), dtype=np.float32), None, set(cu_seqlens[:-1])
+        for t in range(q.shape[0]):
+            state = np.outer(k[t], v[t]) + (0.0 if t in starts else lam * state)
+            out[t] = q[t] @ state
+        return out
+
+    with pytest.raises(ExerciseError, match="is float32"):
+        check_packed_forward(float32_out)

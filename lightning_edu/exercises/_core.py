@@ -36,6 +36,7 @@ __all__ = [
     "wrong_rows",
     "without_overflow",
     "reader_lines",
+    "refuse_low_precision",
 ]
 
 
@@ -83,6 +84,17 @@ def without_overflow(name: str, call):
             "(0.05 ** -299 is inf in float64), even if np.where then threw it away. Build M from non-negative powers: "
             "clamp the exponent first, lambda ** np.maximum(i - j, 0), then select with np.where"
         ) from exc
+
+
+def refuse_low_precision(name: str, x) -> None:
+    """A float32/float16/bfloat16 array or tensor where the check compares with float64 to 1e-9 or so: say so,
+    rather than let the rounding pass for a mistake in the algorithm (a buffer from ``torch.zeros(...)`` or
+    ``np.zeros(..., dtype=np.float32)`` is the usual cause)."""
+    dtype = str(getattr(x, "dtype", "")).replace("torch.", "")
+    if dtype in ("float32", "float16", "bfloat16"):
+        raise ExerciseError(f"{name} is {dtype}: the check compares with float64 to about 1e-9, which {dtype} cannot "
+                            "reach. Keep the inputs' float64: create buffers with the inputs' dtype (torch.zeros "
+                            "makes float32 unless given dtype=...)")
 
 
 def reader_lines(call):

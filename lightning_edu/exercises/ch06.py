@@ -13,7 +13,9 @@ import torch
 
 from .. import torch_chunked as tc
 from ..checks import relative_error, to_numpy
-from ._core import ExerciseError, exercise, expect_close, expect_shape, passed, reader_lines, wrong_rows
+from ._core import (
+    ExerciseError, exercise, expect_close, expect_shape, passed, reader_lines, refuse_low_precision, wrong_rows,
+)
 
 __all__ = ["check_inter_block_outputs", "check_state_scan", "check_inter_block_dq"]
 
@@ -45,9 +47,11 @@ def _first_bad_block(got: np.ndarray, ref: np.ndarray, axis: int = 2) -> int:
 def _call(name, fn, *args, shapes=""):
     """The reader's function on clones of the inputs; a torch shape error becomes a message about shapes."""
     try:
-        return fn(*(x.clone() for x in args))
+        out = fn(*(x.clone() for x in args))
     except RuntimeError as exc:
         raise ExerciseError(f"{name} raised RuntimeError: {str(exc)[:160]}. Shapes: {shapes}") from exc
+    refuse_low_precision(name, out)
+    return out
 
 
 def _powers(lam, exponents):

@@ -23,7 +23,7 @@ import numpy as np
 from ..api import lightning_attention, lightning_attention_step
 from ..numpy_reference import causal_linear_recurrent
 from ..validation import validate_cu_seqlens, validate_decay, validate_positive_int
-from ._core import ExerciseError, call_reader, exercise, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, call_reader, exercise, expect_shape, passed, refuse_low_precision, wrong_rows
 
 __all__ = [
     "check_step",
@@ -67,6 +67,7 @@ def _qkv(seed: int, n: int, d_k: int, d_v: int):
 
 
 def _as_array(name: str, out, shape) -> np.ndarray:
+    refuse_low_precision(name, out)
     try:
         return expect_shape(name, out, shape).astype(np.float64)
     except ExerciseError:
@@ -313,9 +314,17 @@ def check_exposes_suspect(make_input) -> None:
 
     block = 16
     ref = reference_packed_forward(q, k, v, lam, bounds)
+    if not np.isfinite(ref).all():
+        raise ExerciseError("the right outputs themselves overflow on this input (q, k and v too large): inf - inf "
+                            "is NaN, which proves nothing about the suspect. Use values of moderate size")
     sus = suspect_packed_forward(q, k, v, lam, bounds, block)
-    rows = wrong_rows(sus, ref, rtol=_RTOL, axis=0)
+    # A difference counts when it is more than rounding: measured against the size of the terms summed (the outputs
+    # of |q|, |k|, |v|), not of the outputs, which cancellation can make tiny.
+    scale = float(np.abs(reference_packed_forward(np.abs(q), np.abs(k), np.abs(v), lam, bounds)).max())
+    rows = np.flatnonzero((np.abs(sus - ref) > _RTOL * scale).any(axis=1))
     inner = _inner(bounds, total)
+    if rows.size and not any(b % block for b in inner):  # the suspect is exact here: the difference is rounding
+        rows = rows[:0]
     if rows.size:
         t = int(rows[0])
         b0 = t - t % block
