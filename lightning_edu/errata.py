@@ -1,7 +1,9 @@
 """The backward equations as printed, run literally, beside the corrected forms. (Chapter 05.)
 
-Two sources are transcribed here: the Lightning Attention-2 paper (Qin et al., 2024), eqs. 11-20 and
-Algorithm 2, and a design note on a recompute-heavy "Lightning Attention-3" backward (not public; "the LA-3 note"). Each
+Three sources are transcribed here: the Lightning Attention-2 paper (Qin et al., 2024), eqs. 11-20 and
+Algorithm 2; a design note on a recompute-heavy "Lightning Attention-3" backward (not public; "the LA-3 note");
+and the explainer on feature maps and decoding, "Inference: No KV Cache" (its memory table, chunked hybrid,
+decoding loop and a citation: :data:`EXPLAINER_ERRATA`; chapters 10-11). Each
 printed equation becomes a small function that does exactly what the text says, so the book can run it
 and measure how far it lands from float64 autograd (:func:`autograd_gradients`, the judge). The corrected
 forms are either here, next to the literal one, or the package's own

@@ -210,3 +210,20 @@ def test_run_table_interleaves_every_shape_and_skips_past_max_T(monkeypatch):
                                                                              ("ours", 128, 1)]
     assert data["rounds"] == 2 and data["results"][0]["fwd_ms_rounds"] == [1.0, 1.0]
     assert data["results"][0]["fwd_tokens_per_s"] == 128 / 1e-3
+
+
+@pytest.mark.parametrize("module", ["bench", "host", "first_call", "figure3", "tgs", "quality", "decode", "drift",
+                                    "la3_sweep", "torch_sweep"])
+def test_every_measuring_module_answers_help_with_its_usage_and_writes_nothing(module, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    mod = importlib.import_module(f"lightning_edu.perf.{module}")
+    main = getattr(mod, "main", None) or mod._main  # torch_sweep's entry point returns its record
+    try:
+        status = main(["--help"])
+    except SystemExit as exc:  # argparse's help exits
+        status = exc.code
+    assert status == 0
+    assert f"lightning_edu.perf.{module}" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []  # "--help" was not taken for the output file

@@ -201,3 +201,18 @@ def test_hardware_and_time_arguments_are_checked():
         modelled_time({"flops": 1})
     with pytest.raises(ValueError, match="at least one block size"):
         block_size_sweep(64, 4, block_sizes=[])
+
+
+@pytest.mark.parametrize("n, d_k, d_v, dq_block", [(1024, 64, 64, 64), (1000, 32, 48, 64), (37, 16, 8, 16)])
+def test_la3_cost_counts_every_block_of_the_dq_pass(n, d_k, d_v, dq_block):
+    # dQ is Algorithm 1 with (dO, V, K): the blockwise forward's FLOPs with d_k and d_v swapped, block by block;
+    # the dK/dV sweep's FLOPs from la3_cost's own formula (chunks of 64, micro-chunks of 16)
+    from lightning_edu.perf.costs import attention_cost, la3_cost
+
+    fwd = attention_cost("blockwise", n, d_v, d_k, dq_block)
+    dq = fwd.intra_flops + fwd.inter_flops + fwd.state_flops
+    chunk, micro = 64, 16
+    nm, chunks = chunk // micro, -(-n // chunk)
+    dkdv = chunks * (nm * (nm + 1) // 2 * 2 * micro * micro * (2 * d_k + 2 * d_v) + nm * 4 * micro * d_k * d_v
+                     + 2 * chunk * d_k * d_v)
+    assert la3_cost(n, d_k, d_v, chunk, micro, dq_block=dq_block)["flops"] == dq + dkdv

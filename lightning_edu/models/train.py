@@ -1,6 +1,6 @@
 """A plain training loop (AdamW, optional autocast, a progress bar) and MQAR accuracy.
 
-Deliberately short: no learning-rate schedule, no gradient accumulation, no checkpoints. It is enough to
+Deliberately short: a linear warm-up at most, no decay schedule, no gradient accumulation, no checkpoints. It is enough to
 compare attention variants on the same data with the same optimiser, which is all the measurements need.
 """
 

@@ -333,7 +333,7 @@ def la3_cost(n: int, d_k: int, d_v: int | None = None, chunk: int = 64, micro: i
     inter = 2 * 2 * micro * d_k * d_v                     # K_i X and V_i X^T
     update = 2 * chunk * d_k * d_v                        # X += Q^T dO over the chunk
     dkdv = chunks * (nm * (nm + 1) // 2 * pair + nm * inter + update)
-    dq = sum(sum(_blockwise_forward_flops(b, d_v, d_k)) for _, b in _block_lengths(n, dq_block))
+    dq = sum(count * sum(_blockwise_forward_flops(rows, d_v, d_k)) for rows, count in _block_lengths(n, dq_block))
     state = d_k * d_v * 4
     elements = n * 2 * (d_k + d_v) + n * 2 * (d_k + d_v) + n * (d_k + d_v)  # dQ pass; dK/dV sweep in, out
     extra = (segments > 1) * (n * (d_k + d_v) * dtype_bytes + 2 * segments * state)

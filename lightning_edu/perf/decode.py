@@ -78,12 +78,12 @@ def main(argv=None) -> int:
     from ..triton_kernels import log2_decay_tensor
     from ..triton_kernels.decode import decode_step
     from .bench import copy_bandwidth, head_decays
-    from .environment import environment_record
+    from .environment import environment_record, usage_refused
 
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(__doc__)
-        return 2
+    refused = usage_refused(argv, __doc__)
+    if refused is not None:
+        return refused
     if not torch.cuda.is_available():
         print("python -m lightning_edu.perf.decode measures on a CUDA GPU; none is available here.")
         return 2

@@ -184,12 +184,12 @@ def state_drift(n_tokens: int, decay: float = 1.0, *, inputs: str = "float32", s
 
 
 def main(argv=None) -> int:
-    from .environment import environment_record
+    from .environment import environment_record, usage_refused
 
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) not in (1, 2):
-        print(__doc__)
-        return 2
+    refused = usage_refused(argv, __doc__, counts=(1, 2))
+    if refused is not None:
+        return refused
     path = argv[0]
     n = int(argv[1]) if len(argv) == 2 else 1 << 20
     record = {**environment_record("python -m lightning_edu.perf.drift " + " ".join(argv), device="cpu"),

@@ -1,7 +1,8 @@
 """One record of where a measurement was taken: machine, versions, commit, command. (All recorded data.)
 
-Every file under ``notebooks/data/`` carries such a record, so a reader can tell which machine, which
-versions and which commit of this book produced each number. The GPU driver version comes from NVML
+Every file recorded with this module carries such a record, so a reader can tell which machine, which versions
+and which commit of this book produced each number; the older H200 files (bench_h200_*, tune_h200, torch_sweep_h200,
+gpu_tests_h200) name no commit. The GPU driver version comes from NVML
 (``nvidia-ml-py``) where it is installed, else it is left unnamed rather than guessed.
 """
 
@@ -14,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["environment_record", "git_commit"]
+__all__ = ["environment_record", "git_commit", "usage_refused"]
 
 
 def git_commit() -> str | None:
@@ -87,3 +88,18 @@ def environment_record(command: str | None = None, device: str = "cuda") -> dict
         command=command or "python " + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     )
     return record
+
+
+def usage_refused(argv: list[str], doc: str, counts=(1,)) -> int | None:
+    """The exit status for a command line a measuring module does not run: 0 after printing ``doc`` (the module's
+    docstring, its usage) for ``-h``/``--help``; 2 after printing it for a wrong number of arguments or an output
+    path that starts with a dash; None for a command line to run. So ``--help`` prints the usage instead of being
+    taken for the output file."""
+    if any(a in ("-h", "--help") for a in argv):
+        print(doc)
+        return 0
+    if len(argv) not in counts or (argv and argv[0].startswith("-")):
+        print(doc)
+        return 2
+    return None
+

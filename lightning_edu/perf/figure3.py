@@ -16,7 +16,7 @@ from ..triton_kernels import VARIANTS, kernel_config, log2_decay_tensor
 from ..triton_kernels.la1 import la1_backward, la1_forward
 from ..triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
 from .bench import copy_bandwidth, head_decays
-from .environment import environment_record
+from .environment import environment_record, usage_refused
 
 __all__ = ["figure3_benchmark"]
 
@@ -109,7 +109,10 @@ def figure3_benchmark(seq_lens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    target = argv[0] if argv else "figure3.json"
+    refused = usage_refused(argv, __doc__)
+    if refused is not None:
+        return refused
+    target = argv[0]
     record = {**environment_record("python -m lightning_edu.perf.figure3 " + " ".join(argv)),
               "copy_bandwidth_GBps": None, "results": []}
 

@@ -50,12 +50,12 @@ print(json.dumps({"first_s": times[0], "second_s": times[1], "compiled": len(com
 
 
 def main(argv=None) -> int:
-    from .environment import environment_record
+    from .environment import environment_record, usage_refused
 
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(__doc__)
-        return 2
+    refused = usage_refused(argv, __doc__)
+    if refused is not None:
+        return refused
     record = {**environment_record("python -m lightning_edu.perf.first_call " + " ".join(argv)), "results": []}
     for (dtype, d), mode in ((config, mode) for config in CONFIGS for mode in MODES):
         with tempfile.TemporaryDirectory() as cache:

@@ -9,9 +9,9 @@ Two parts, one JSON record (with the machine, versions and commit):
   (128K at T = 128K), head dim 64 and 128; la2_fast's backward and la3 at each (chunk, micro, warps) of
   :data:`TILES`; median of ``triton.testing.do_bench``, peak memory beyond the inputs, and the 7-tensor
   HBM floor's bytes (q, k, v, do in; dq, dk, dv out).
-* ``resources``: shared memory, registers and spills of every kernel compiled (fast and exact passes), in
-  bf16 and fp32 at head dim 64 and 128, for la3, la2_fast, la2_literal and, when the ``lightning_attn``
-  package imports, the original Lightning Attention-2 kernels.
+* ``resources``: shared memory, registers and spills of every kernel compiled (fast and exact passes) at head
+  dim 64 and 128: la3's in bf16 and fp32; la2_fast's, la2_literal's and, when the ``lightning_attn`` package
+  imports, the original Lightning Attention-2 kernels' in bf16.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 
 from .bench import head_decays
-from .environment import environment_record
+from .environment import environment_record, usage_refused
 from .resources import compiled_resources
 
 __all__ = ["TILES", "main"]
@@ -48,9 +48,9 @@ def main(argv=None) -> int:
     from ..triton_kernels.la3 import la3_backward
 
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(__doc__)
-        return 2
+    refused = usage_refused(argv, __doc__)
+    if refused is not None:
+        return refused
     path = argv[0]
     record = {**environment_record("python -m lightning_edu.perf.la3_sweep " + " ".join(argv)), "heads": HEADS,
               "results": [], "resources": [], "errors": []}

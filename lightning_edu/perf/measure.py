@@ -113,9 +113,8 @@ def peak_memory_torch(fn: Callable[[], object]) -> int:
 def pin_blas_threads(threads: int = 1) -> list[str]:
     """Limit every BLAS loaded in this process to ``threads`` threads; returns the libraries changed.
 
-    On a small shared machine a multi-threaded BLAS stalls whenever another process is busy (while
-    chapter 01 was written, its right product at n = 2048 once took 80 ms where it takes about 2 ms; an
-    observation, not a recorded measurement), so chapters 01-02 time with one thread. threadpoolctl finds
+    On a small shared machine a multi-threaded BLAS stalls whenever another process is busy, so that one call
+    can take many times its usual time; chapters 01-02 therefore time with one thread. threadpoolctl finds
     the loaded BLAS libraries (OpenBLAS, MKL, BLIS) and sets their thread counts.
     """
     from threadpoolctl import threadpool_info, threadpool_limits

@@ -1,7 +1,7 @@
 """What linear attention costs in quality: a small language model and MQAR recall, one attention at a time.
 
-    python -m lightning_edu.perf.quality --preset gpu --only lm --out quality_lm.json      # recorded (chapter 13)
-    python -m lightning_edu.perf.quality --preset gpu --only mqar --budget 225 --out quality_mqar.json  # likewise
+    python -m lightning_edu.perf.quality --preset gpu --only lm --out quality_lm.json      # the recorded preset (chapter 13)
+    python -m lightning_edu.perf.quality --preset gpu --only mqar --budget 200 --out quality_mqar.json  # likewise
     python -m lightning_edu.perf.quality --preset cpu --out quality.json   # a CPU: about a minute each (PRESETS)
 
 Every attention of ``KINDS`` gets the same decoder (:class:`lightning_edu.models.Decoder`: width, depth,
@@ -84,8 +84,8 @@ the recorded run (chapter 13; an H100, bf16 autocast). Its MQAR (sequences of 12
 layers of two heads, 500 steps of 512) ran 19 of its 20 runs on an H100 within ``--budget 200`` (the hybrid at 24
 pairs was left out), 9-13 s a run, Triton's compilation included (notebooks/data/quality_mqar_h100.json; 8, 12,
 16, 24 pairs: softmax 1.000 at each; lightning 0.70, 0.21, 0.06, 0.04; learned ReLU^2 0.12, 0.48, 0.22, 0.07;
-elu+1 and the hybrid at about 1/pairs). An earlier run of the same preset gave lightning 0.46 at 8 pairs and
-ReLU^2 0.19 at 12: the middle of the table is one seed at the edge of a plateau (chapter 13).
+elu+1 and the hybrid at about 1/pairs). The middle of the table is one seed at the edge of a plateau: another
+run of the same preset put lightning at 0.46 at 8 pairs and ReLU^2 at 0.19 at 12 (chapter 13).
 
 Why the MQAR recipe is what it is. A model first learns to answer with *some* value of its sequence (accuracy
 1/pairs, loss log(pairs): a plateau) and only later, suddenly, with the right one; whether and when it turns
@@ -175,7 +175,7 @@ def mqar_run(kind: str, cfg: dict, pairs: int, seed: int = 0, device="cpu", auto
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.quality", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--only", choices=("lm", "mqar"), default=None)

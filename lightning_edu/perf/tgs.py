@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     from ..models.train import train_step
     from .environment import environment_record
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.tgs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["0.4B", "0.1B"])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--contexts", nargs="+", type=int, default=list(PAPER_CONTEXTS))

@@ -17,7 +17,7 @@ raise its register count for the whole kernel: measured on an H100 (bf16, H = 16
 every sweep made LA-1 about 3x and la2_fast up to 2.2x slower, an in-kernel exact re-sweep still 1.2-1.9x.
 So every kernel is compiled twice (the constexpr SAFE) and launched twice:
 
-* The fast pass (SAFE=False, the usual grid) is the plain kernel as it always was (masks that multiply, raw
+* The fast pass (SAFE=False, the usual grid) is the plain kernel (masks that multiply, raw
   operands), plus one flag per program: whether its carried state (LA-2) or its output tile (LA-1) ended
   non-finite. Every inexact result of the fast pass comes from a non-finite entry of a K- or V-like operand
   (one that meets a dropped entry of the score tile, or is the right operand of the intra-block product),
@@ -427,7 +427,7 @@ def head_offset(bh, H, rows, width, stride_b, stride_h, CONTIGUOUS: tl.constexpr
     """Offset of (batch*head) ``bh``'s first element, batch ``bh // H`` and head ``bh % H``, in a (batch, heads,
     rows, width) tensor with batch stride ``stride_b`` and head stride ``stride_h``, in 64 bits. With CONTIGUOUS
     (the tensor is), the same offset as :func:`head_start` computes it: on an H100 the reversed passes of la2_fast
-    ran 11 % slower with the offset computed from the strides (see ``_la2_fast_forward_kernel``)."""
+    ran 12 % slower with the offset computed from the strides (see ``_la2_fast_forward_kernel``)."""
     if CONTIGUOUS:
         return head_start(bh, rows, width)
     bh = tl.cast(bh, tl.int64)  # bh may be a loop index: a Python int in the interpreter
@@ -469,8 +469,8 @@ def decay_tile(log2_lam, rows, cols, SAFE: tl.constexpr):
 def apply_decay(dot, decay, SAFE: tl.constexpr):
     """A masked score tile: ``dot * decay`` on kept entries (decay = lambda^distance, which may underflow to 0),
     0 on dropped ones. SAFE (the exact pass): dropped entries (decay = -1) are *selected* away, so a NaN or inf
-    there never becomes NaN * 0 = NaN. Fast pass: the plain multiply by a decay tile holding 0 there, as fast
-    as before; a non-finite dot entry in a dropped place always comes from an operand the fast pass's state
+    there never becomes NaN * 0 = NaN. Fast pass: the plain multiply by a decay tile holding 0 there, which
+    adds nothing to the fast kernel; a non-finite dot entry in a dropped place always comes from an operand the fast pass's state
     check sees (module docstring), so the exact pass redoes that program."""
     if SAFE:
         return tl.where(decay >= 0, dot * decay, 0.0)

@@ -2,7 +2,8 @@
 
 Every Triton implementation in :mod:`lightning_edu.registry` runs through one of these. They take an
 :class:`~lightning_edu.validation.AttentionArgs` (a :class:`~lightning_edu.validation.StepArgs` for the
-decoding step) that validation has already checked, make the tensors contiguous, and, in Triton's CPU
+decoding step) that validation has already checked, make the tensors contiguous (except the differentiable backend,
+``la2_fast_from_args`` with its default options, which reads strided views in place), and, in Triton's CPU
 interpreter (no CUDA), compute bfloat16 inputs in float32 and round the results back (the interpreter's own
 bf16 arithmetic is wrong); on a GPU bf16 runs in the kernels as it is.
 """

@@ -24,7 +24,8 @@ that dtype and accumulates in fp32 (fp16/bf16 run on the tensor cores; fp32 dots
 IEEE precision, not tf32, so that fp32 results agree with float64 to about 1e-6); the decay tile, the
 masking and every accumulator are fp32. Outputs are stored in the input dtype.
 
-The sequence length is a runtime argument (a new n does not recompile); head dims are compile-time
+The sequence length is a runtime argument, specialised only as Triton specialises integers (a multiple of 16,
+1, or another: at most three compilations per configuration); head dims are compile-time
 constants padded to powers of two >= 16, with masks, so d_k != d_v and d in {16, 32, 64, 128} all work.
 
 Non-finite inputs stay causal: a NaN or inf reaches exactly the outputs that depend on it. Each kernel runs

@@ -201,9 +201,8 @@ def _la2_fast_forward_kernel(
     Q, K, V and O are (batch, heads, n, d) with contiguous rows and any batch, head and row strides, given as
     ``sqb, sqh, sqn`` (Q) and likewise for K, V and O. The row strides are compile-time constants, as the head
     dims: d for a contiguous tensor, a multiple of it for a view of a projection, one compilation per layout.
-    CONTIGUOUS (all four contiguous) computes each head's start as bh * n * d, as the kernels did before they
-    took strides. With the start computed from the batch and head strides instead (the same addresses), the
-    reversed passes of the backward ran 11 % slower on an H100 (torch 2.11, Triton 3.6; bf16, d = 128, 16 heads:
+    CONTIGUOUS (all four contiguous) computes each head's start as bh * n * d. With the start computed from the
+    batch and head strides instead (the same addresses), the reversed passes of the backward ran 12 % slower on an H100 (torch 2.11, Triton 3.6; bf16, d = 128, 16 heads:
     1.53 against 1.36 ms per pass at 1 x 128K tokens, 0.378 against 0.337 ms at 4 x 8K).
 
     STORE_INC saves each segment's incoming state to INC (batch*heads, num_segments, d_k, d_v) fp32, so
@@ -409,14 +408,15 @@ def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: i
     Two programs of the backend's 16-bit kernels fit on an SM at once (registers and shared memory), so up to
     ``2 * sm_count`` programs run as one wave. One program more starts a second wave, in which a few programs run
     while most SMs wait: rounding the segment count up (17 segments of a 16-head sequence on 132 SMs, 272
-    programs) made the forward 1.21-1.25x slower than rounding it down (16 segments, 256 programs) on an H100
-    (bf16, d = 128: 1.82 against 1.46 ms at 1 x 128K tokens, 0.447 against 0.375 ms at 4 x 8K; chapter 07).
+    programs) made the forward 1.19-1.25x slower than rounding it down (16 segments, 256 programs) on an H100
+    (bf16, d = 128 with d_v whole: 1.82 against 1.46 ms at 1 x 128K tokens, 0.447 against 0.375 ms at 4 x 8K; chapter 07).
     seg_len is a multiple of ``block`` so every segment but the last is made of whole blocks.
 
     Short sequences. Segments cost launches: a pre-pass before the pass, in the forward and in the backward, and
     on a short call the host's time is the call's time. On an H100 (bf16, d = 64, 1 x 4 heads x 256 tokens,
     forward + backward) one segment instead of four took 0.97 against 1.10 ms of host time per call
-    (``lightning_attention``), while the GPU's time alone (the call replayed as a CUDA graph) went from 27 to
+    (``lightning_attention``, measured before calls replayed their recorded launches, which brought it to
+    0.61 ms: notebooks/data/host_h100.json), while the GPU's time alone (the call replayed as a CUDA graph) went from 27 to
     36 us; at d = 128 from 44 to 57 us. The backend passes ``short`` = :data:`SHORT_BLOCKS` on a GPU.
     """
     if seg_len is None:

@@ -52,15 +52,16 @@ def la3_tiles(dtype, d: int = 64) -> dict:
     wider of d_k, d_v), measured on an H100 in chapter 09.
 
     16-bit inputs: c = C = 64. Hopper's tensor-core instruction (wgmma) multiplies tiles of 64 rows per
-    warp group; 16-row tiles fall back to the older instruction and made the backward 1.8-2.4x slower. The
+    warp group; 16-row tiles fall back to the older instruction and made the backward 1.7-2.0x slower
+    (notebooks/data/la3_h100.json). The
     kernel then needs 32 KB (d = 64) or 64 KB (d = 128) of shared memory: within 99 KB either way.
 
     fp32 (the correctness rung): c = C = 16, 4 warps up to d = 64 and 8 above. Its exact fp32 products run on the
     FMA units, unrolled, and with c < C every chunk unrolls its c x c tile pairs as well. Measured on an H100
     (Triton 3.6, 16 heads x 32K tokens, the dK/dV kernel alone; compile time of its first call in a fresh
     process, with one to three other processes compiling beside it): at d = 64, C = c = 16 ran in 2.16 ms and compiled
-    in 5.0 s, against 31.1 ms and 42 s for the earlier C = 64, c = 16 (C = c = 32: 2.26 ms, 8.5 s); at d = 128,
-    with 8 warps, 53 ms and 10.8 s against 68 ms and 68 s for the earlier C = 64, c = 32 (C = c = 32: 67 ms,
+    in 5.0 s, against 31.1 ms and 42 s for C = 64, c = 16 (C = c = 32: 2.26 ms, 8.5 s); at d = 128,
+    with 8 warps, 53 ms and 10.8 s against 68 ms and 68 s for C = 64, c = 32 (C = c = 32: 67 ms,
     18 s; 4 warps at C = c = 16: 69 ms). The error against float64 stayed at 3e-7. The 128 x 128 fp32 state still
     spills at d = 128 (1400-1700 registers).
     """

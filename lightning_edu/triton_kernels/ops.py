@@ -13,13 +13,14 @@ namespace ``lightning_edu``::
 q, k: (batch, heads, n, d_k); v, do: (batch, heads, n, d_v); log2_decay: float32 (heads,), log2(lambda);
 initial_state, d_final_state: (batch, heads, d_k, d_v) or None. o, dq, dk, dv come back in the dtypes of v, q,
 k, v, each laid out as the input it matches (o as v, dq as q, ...: :func:`~.la2_fast.output_like`), so that
-a model's strided views of one projection go in and come out with no copy; final_state and d_initial_state
+a model's strided views of one projection go in and come out with no copy through la2_fast's kernels (la3's
+dK/dV kernel, the backward for 16-bit d_k = d_v <= 64, copies strided q, k, v, dO in and dK, dV out); final_state and d_initial_state
 are float32 and contiguous. ``incoming`` is what the forward saves for the backward's dQ
 pass: every segment's incoming state, float32 (batch * heads, num_segments, d_k, d_v), or an empty float32
 tensor of shape (0,) when the sequence is one segment or ``save_states`` is False (an op returns tensors, never
 None). It is marked non-differentiable. :func:`~lightning_edu.triton_kernels.triton_attention` passes
 ``save_states=False`` when no gradient can be asked for (grad mode off, or no input requiring one): inference
-then writes no segment states (at 32K tokens, d = 128, 16 heads: 17 states of 64 KB per head).
+then writes no segment states (at 32K tokens, d = 128, 16 heads: 8 states of 64 KB per head).
 
 Why an op. Dynamo cannot trace into a Triton launch (Python-side grids, a pre-pass, the two-pass NaN scheme,
 int flags), and an ``autograd.Function`` that launches kernels is a graph break. A custom op is one node of
@@ -331,8 +332,9 @@ class EagerLA2(torch.autograd.Function):
 
     Why a second door to the same kernels. Through the dispatcher each custom-op call pays for its schema
     handling, the autograd wrapper that ``register_autograd`` installs, and the alias checks on its outputs;
-    measured on an H100 machine's host (torch 2.11, ``python -m lightning_edu.perf.host``) that came to 0.24 ms
-    per forward + backward (1.38 against 1.14 ms), when the kernels of a short sequence take about 0.6 ms.
+    measured on an H100 machine's host (torch 2.11, ``python -m lightning_edu.perf.host``, notebooks/data/host_h100.json)
+    that came to 0.48 ms per forward + backward (1.10 against 0.62 ms, medians), when the replayed kernels of a short
+    sequence cost the host 0.20 ms and the GPU 0.11 ms.
     :func:`~lightning_edu.triton_kernels.triton_attention` takes this door for plain tensors in eager mode, and
     the op under :func:`torch.compile` (which cannot trace a Triton launch inside a Function) and for tensor
     subclasses (fake, functional and meta tensors know the op, not this class).
