@@ -127,16 +127,9 @@ def test_doubling_scan():
     assert "head 0 (lambda = 1.0) right" in message and "head 1 (lambda = 0.9)" in message
     _raises(ch02.check_doubling_scan, lambda q, k, v, d: np.full(q.shape[:-1] + (v.shape[-1],), np.inf), "inf or NaN")
 
-    def token_loop(q, k, v, decay):  # the right values, one step per token: the recurrence, not the scan
-        lam = np.asarray(decay)[None, :, None, None]
-        kv = np.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]))
-        o = np.empty(q.shape[:-1] + (v.shape[-1],))
-        for t in range(q.shape[2]):
-            kv = lam * kv + k[:, :, t, :, None] * v[:, :, t, None, :]
-            o[:, :, t] = np.einsum("bhk,bhkv->bhv", q[:, :, t], kv)
-        return o
-
-    _raises(ch02.check_doubling_scan, token_loop, "right values", "lines of Python", "ceil(log2 n) = 10 steps")
+    # the right values, one step per token (this file's _recurrent): the recurrence, not the scan
+    _raises(ch02.check_doubling_scan, lambda q, k, v, d: _recurrent(q, k, v, d), "right values", "lines of Python",
+            "ceil(log2 n) = 10 steps")
 
 
 def test_reader_lines_counts_the_readers_code_only_and_restores_a_tracer():

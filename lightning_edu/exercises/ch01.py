@@ -36,6 +36,25 @@ _TIME_RATIO = 250.0
 _TIME_FLOOR = 0.02  # seconds at the long length below which nothing is called quadratic
 
 
+_MEMORY_N, _MEMORY_D = 2048, 4  # the shape (n, d) at which the memory checks of 1.1 and 1.3 look for an n x n matrix
+
+
+def _no_n_by_n(name: str, fn, seed: int, hint: str) -> tuple[int, int]:
+    """Refuse an answer with the right values whose peak memory shows an n x n matrix: at n = 2048 a float64 one
+    is 32 MiB, while the right product's intermediates are d_k x d_v and the output n x d_v. Returns (n, the
+    limit in bytes: a quarter of that matrix)."""
+    n, d = _MEMORY_N, _MEMORY_D
+    q, k, v = random_qkv(1, 1, n, d, seed=seed)
+    peak = peak_memory_numpy(lambda: fn(q, k, v))
+    limit = 8 * n * n // 4
+    if peak > limit:
+        raise ExerciseError(
+            f"{name} gives the right numbers but allocated {peak / 2**20:.1f} MiB at n = {n}, d = {d}: that is an "
+            f"n x n matrix ({n * n * 8 / 2**20:.0f} MiB in float64). {hint}"
+        )
+    return n, limit
+
+
 @exercise("1.1", reveals=("linear_attention_right",))
 def check_right_product(right_product, seed: int = 0) -> None:
     """``right_product(q, k, v)`` must compute Q (K^T V) for (batch, heads, n, d) arrays without an n x n matrix."""
@@ -55,19 +74,10 @@ def check_right_product(right_product, seed: int = 0) -> None:
             rtol=1e-9,
             hint="o = q (k^T v): contract k and v over the sequence axis first, giving a (d_k, d_v) matrix per head",
         )
-    # Same output as the left product, so only memory can tell the two orders apart: at n = 2048 an n x n
-    # float64 matrix is 32 MiB, while K^T V is (d_k, d_v) and the output is n x d_v.
-    n, d = 2048, 4
-    q, k, v = random_qkv(1, 1, n, d, seed=99 + seed)
-    peak = peak_memory_numpy(lambda: right_product(q, k, v))
-    limit = 8 * n * n // 4
-    if peak > limit:
-        raise ExerciseError(
-            f"right_product gives the right numbers but allocated {peak / 2**20:.1f} MiB at n = {n}, d = {d}: "
-            f"that is an n x n matrix ({n * n * 8 / 2**20:.0f} MiB in float64). You computed (Q K^T) V; "
-            "bracket it as Q (K^T V) so the only intermediate is d_k x d_v"
-        )
-    short, long = (random_qkv(1, 1, length, d, seed=98 + seed) for length in _TIME_LENGTHS)
+    # Same output as the left product, so only memory can tell the two orders apart
+    n, limit = _no_n_by_n("right_product", right_product, 99 + seed,
+                          "You computed (Q K^T) V; bracket it as Q (K^T V) so the only intermediate is d_k x d_v")
+    short, long = (random_qkv(1, 1, length, _MEMORY_D, seed=98 + seed) for length in _TIME_LENGTHS)
     t_short, t_long = _best_seconds(right_product, *short), _best_seconds(right_product, *long)
     ratio = t_long / max(t_short, 1e-6)
     if t_long > _TIME_FLOOR and ratio > _TIME_RATIO:
@@ -158,16 +168,9 @@ def check_normalized_linear_attention(normalized_linear_attention, seed: int = 0
         expect_close(name, to_numpy(got), ref, rtol=1e-9,
                      hint="the denominator of row i is phi(q_i) . sum_j phi(k_j), one number per row, broadcast over d_v")
     # The exercise asks for the right product: no n x n matrix. As in 1.1, memory tells the orders apart.
-    n, d = 2048, 4
-    q, k, v = random_qkv(1, 1, n, d, seed=97 + seed)
-    peak = peak_memory_numpy(lambda: normalized_linear_attention(q, k, v))
-    limit = 8 * n * n // 4
-    if peak > limit:
-        raise ExerciseError(
-            f"normalized_linear_attention gives the right numbers but allocated {peak / 2**20:.1f} MiB at n = {n}, "
-            f"d = {d}: that is an n x n matrix ({n * n * 8 / 2**20:.0f} MiB in float64), the weights phi(Q) phi(K)^T. "
-            "Form S = phi(K)^T V and z = sum_j phi(k_j) first; then row i is phi(q_i) S / (phi(q_i) . z)"
-        )
+    n, limit = _no_n_by_n("normalized_linear_attention", normalized_linear_attention, 97 + seed,
+                          "The n x n matrix is the weights phi(Q) phi(K)^T. Form S = phi(K)^T V and z = sum_j phi(k_j) "
+                          "first; then row i is phi(q_i) S / (phi(q_i) . z)")
     passed(f"normalized linear attention matches on {len(_SHAPES)} shapes, needs under {limit / 2**20:.0f} MiB at "
            f"n = {n}; its rows are convex combinations of v")
 
