@@ -467,9 +467,13 @@ def validate_flag(name: str, value: Any) -> bool:
 
 
 def check_finite_scalar(name: str, value: Any) -> float:
-    """A finite real number (used by the cost model and the explorer)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise TypeError(f"{name} must be a finite real number, got {value!r}")
+    """A finite real number, e.g. a scale or a hardware figure of the cost model. Not a real number (a string, a
+    bool, a complex number, an array): TypeError. A real number that is NaN or infinite: ValueError, as any right
+    type with a wrong value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a finite real number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite real number, got {value!r}")
     return float(value)
 
 

@@ -195,8 +195,10 @@ def test_errors_name_the_argument(kwargs, error, match):
 def test_hardware_and_time_arguments_are_checked():
     with pytest.raises(ValueError, match="step_latency must be positive"):
         Hardware(step_latency=0.0)
-    with pytest.raises(TypeError, match="peak_flops must be a finite real number"):
+    with pytest.raises(ValueError, match="peak_flops must be a finite real number"):
         Hardware(peak_flops=float("inf"))
+    with pytest.raises(TypeError, match="peak_flops must be a finite real number, got str"):
+        Hardware(peak_flops="1e15")
     with pytest.raises(TypeError, match="cost must be"):
         modelled_time({"flops": 1})
     with pytest.raises(ValueError, match="at least one block size"):

@@ -135,7 +135,8 @@ def test_controls_are_release_only_and_each_redraws():
     (dict(feature_map="learned relu2", d_feature=0), ValueError, "d_feature must be a positive integer"),
     (dict(feature_map="elu+1", d_feature=8), ValueError, "d_feature applies only to"),
     (dict(scale=0.0), ValueError, "scale must be a positive"),
-    (dict(scale=float("nan")), TypeError, "scale must be a finite real number"),
+    (dict(scale=float("nan")), ValueError, "scale must be a finite real number"),
+    (dict(scale="0.5"), TypeError, "scale must be a finite real number, got str"),
     (dict(seed=-1), ValueError, "seed must be a non-negative integer"),
     (dict(seed=1.5), TypeError, "seed must be a non-negative integer"),
 ])

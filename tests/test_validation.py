@@ -514,9 +514,12 @@ def test_softmax_causal_must_be_a_bool(causal):
         nr.softmax_attention(*qkv(), causal=causal)
 
 
-@pytest.mark.parametrize("scale", ["x", float("nan"), float("inf"), True])
-def test_softmax_scale_must_be_a_finite_number(scale):
-    with pytest.raises(TypeError, match=r"^scale must be a finite real number, got"):
+@pytest.mark.parametrize("scale, error", [("x", TypeError), (True, TypeError), (1j, TypeError),
+                                          (float("nan"), ValueError), (float("inf"), ValueError),
+                                          (-float("inf"), ValueError)])
+def test_softmax_scale_must_be_a_finite_number(scale, error):
+    # the wrong type is a TypeError, the right type with a non-finite value a ValueError
+    with pytest.raises(error, match=r"^scale must be a finite real number, got"):
         nr.softmax_attention(*qkv(), scale=scale)
 
 
