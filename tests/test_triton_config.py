@@ -10,7 +10,7 @@ import lightning_edu as le
 from lightning_edu import triton_kernels
 from lightning_edu.checks import relative_error
 from lightning_edu.triton_kernels import kernel_config
-from lightning_edu.triton_kernels.la2_fast import choose_segments, prepass_tiles
+from lightning_edu.triton_kernels.la2_fast import SLICE, choose_segments, prepass_tiles, sliced_forward
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -164,6 +164,29 @@ def test_a_short_sequence_is_one_segment_on_a_gpu_only():
     assert choose_segments(4, 257, 64, 132, short=4)[0] == 5  # 5 blocks: one segment each, as without the rule
     assert choose_segments(4, 256, 64, 132) == (4, 64)  # the interpreter's rule (short=0): segments as before
     assert choose_segments(4, 256, 64, 132, seg_len=128, short=4) == (2, 128)  # a given seg_len is kept
+
+
+def test_a_forward_without_backward_trades_segments_for_slices_at_the_benchmarks_shapes():
+    # 16 heads on a 132-SM GPU, 32K tokens per call: (batch * heads, n, d_v) -> (block_dv, stages, seg_len) or None
+    assert sliced_forward(64, 8192, 128, 64, 132) == (32, 3, 8192)  # d = 128, T = 8K: 256 programs, no pre-pass
+    assert sliced_forward(32, 16384, 128, 64, 132) is None  # T = 16K: 128 programs, under two per SM
+    assert sliced_forward(128, 4096, 128, 64, 132) is None  # 64-column slices already give 256 programs
+    assert sliced_forward(64, 8192, 64, 64, 132) == (32, 3, 8192)  # d = 64, T = 8K: 128 programs, one per SM
+    assert sliced_forward(16, 32768, 64, 64, 132) is None  # T = 32K: 32 programs
+    assert sliced_forward(256, 2048, 64, 64, 132) is None  # T = 2K: 256 programs of 64 columns already
+    assert sliced_forward(64, 1000, 128, 64, 132) == (32, 3, 1024)  # one segment: n rounded up to whole blocks
+    assert sliced_forward(64, 8192, 256, 32, 132) is None  # beyond d = 128 the tiles are other
+
+
+@given(batch_heads=st.integers(1, 600), n=st.integers(1, 200_000), d_v=st.sampled_from([16, 32, 48, 64, 96, 128]),
+       block=st.sampled_from([32, 64]), sms=st.sampled_from([4, 108, 132]))
+def test_a_sliced_forward_is_one_segment_that_fills_the_chip(batch_heads, n, d_v, block, sms):
+    plan = sliced_forward(batch_heads, n, d_v, block, sms)
+    if plan is None:
+        return
+    block_dv, stages, seg_len = plan
+    assert block_dv == SLICE and seg_len % block == 0 and seg_len - block < n <= seg_len  # one segment, every row
+    assert batch_heads * -(-d_v // 64) < sms  # taken only where 64-column slices leave SMs idle
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -215,6 +215,41 @@ def test_one_segment_saves_nothing(device):
     assert seg_len == 48 and incoming is None
 
 
+@cases("shape,dtype", {
+    "cpu": [((2, 2, 100, 32, 64), torch.float32)],  # the sliced plan's tiles, given explicitly
+    "cuda": [((4, 16, 1000, 128, 128), dtype) for dtype in (torch.bfloat16, torch.float16)]  # the public call's
+    + [((4, 16, 1000, 64, 64), torch.bfloat16)],
+})
+def test_a_forward_as_one_segment_of_32_column_slices(device, shape, dtype):
+    """la2_fast.sliced_forward's plan: with no backward to follow, d_v in 32-column slices and no pre-pass."""
+    from lightning_edu.triton_kernels import ops
+    from lightning_edu.triton_kernels.la2_fast import la2_fast_forward, sliced_plan
+
+    q, k, v, _, s0, _ = kernel_inputs(shape, device, dtype, seed=7)
+    lam = np.linspace(0.9, 0.9999, shape[1])
+    lam[0] = 1.0
+    ref = blockwise_forward(_np(q), _np(k), _np(v), lam, 64)[0]
+    if device == "cpu":
+        n = shape[2]
+        o, _ = compiled(device, lambda: la2_fast_forward(q, k, v, log2_decay_tensor(lam, device), block=16,
+                                                         block_dv=32, num_warps=4, num_stages=3,
+                                                         seg_len=-(-n // 16) * 16))
+        assert relative_error(o, ref) < BOUNDS[dtype]
+        assert sliced_plan(q, v) is None  # the interpreter keeps its segments
+        return
+    plan = sliced_plan(q, v)
+    if plan is None:
+        pytest.skip(f"this GPU's {torch.cuda.get_device_properties(0).multi_processor_count} SMs do not call for it")
+    cfg, seg_len, num_seg = ops.launch_plan(q, v, None, save_states=False)
+    assert (cfg["block_dv"], cfg["num_stages"], seg_len, num_seg) == (*plan, 1)
+    assert ops.launch_plan(q, v, None, save_states=True)[2] > 1  # with a backward to follow: segments
+    with torch.no_grad():
+        o = le.lightning_attention(q, k, v, lam, backend="triton")
+    assert relative_error(o, ref) < BOUNDS[dtype]
+    o_grad = le.lightning_attention(q.requires_grad_(), k, v, lam, backend="triton")  # the segmented forward
+    assert relative_error(o_grad.detach(), ref) < BOUNDS[dtype]
+
+
 @on("cuda")
 def test_decay_near_zero_and_long_sequence_stay_finite(device):
     q, k, v, do, s0, dsn = kernel_inputs((1, 2, 20000, 64, 64), device, torch.bfloat16, seed=2)

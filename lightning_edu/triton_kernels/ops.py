@@ -55,7 +55,7 @@ from torch import Tensor
 from ..torch_chunked import decay_gradient, first_derivative_only
 from . import _tiles
 from ._tiles import cdiv, compile_ahead, interpreted, is_dense, pad_dim, record_plan, sm_count, upcast_for_interpreter
-from .la2_fast import choose_segments, la2_fast_forward, output_like, short_blocks
+from .la2_fast import choose_segments, la2_fast_forward, output_like, short_blocks, sliced_plan
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
            "compute_dtype", "COMPILE_AHEAD", "ahead_key"]
@@ -73,14 +73,16 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float32 if x.dtype == torch.bfloat16 and interpreted(x) else x.dtype
 
 
-def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None) -> tuple[dict, int, int]:
+def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
+                save_states: bool = True) -> tuple[dict, int, int]:
     """(cfg, seg_len, num_segments) of the backend's forward on tensors shaped like q and v, from shapes, dtype
     and device alone (it reads no data, so the fake implementations and the backward can call it).
 
     ``cfg`` is :func:`~lightning_edu.triton_kernels.kernel_config`'s; seg_len and num_segments are what
     ``la2_fast_forward`` picks when given no seg_len (its d_v slices, then
     :func:`~.la2_fast.choose_segments`); the forward op passes this seg_len to it explicitly, so the saved
-    segment states always have the layout computed here.
+    segment states always have the layout computed here. A forward that saves no states (no backward to follow)
+    may instead take :func:`~.la2_fast.sliced_forward`'s plan: 32-column slices of d_v as one segment.
     """
     from . import kernel_config  # the package defines it before importing this module
 
@@ -93,6 +95,10 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None) -> tuple[di
         block_dv = 64 if batch * heads >= sms else 128
     slices = cdiv(d_v, min(pad_dim(d_v), block_dv))
     num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sms, None, short_blocks(q.device))
+    sliced = None if save_states else sliced_plan(q, v, block_size)
+    if sliced is not None:
+        block_dv, num_stages, seg_len = sliced
+        return {**cfg, "block_dv": block_dv, "num_stages": num_stages}, seg_len, 1
     return cfg, seg_len, num_seg
 
 
@@ -195,7 +201,7 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_st
     key = _replay_key((q, k, v), log2_decay, block_size, save_states) if initial_state is None else None
 
     def prepare():
-        cfg, seg_len, num_seg = launch_plan(q, v, block_size)
+        cfg, seg_len, num_seg = launch_plan(q, v, block_size, save_states)
         if ahead and COMPILE_AHEAD and not interpreted(q) and not torch.cuda.is_current_stream_capturing():
             _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_seg)
         return _forward_launchers, (q, k, v, log2_decay, initial_state, save_states, seg_len, cfg)
@@ -227,7 +233,7 @@ def la2_forward(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_sta
 
 @la2_forward.register_fake
 def _la2_forward_fake(q, k, v, log2_decay, initial_state=None, block_size=None, save_states=True):
-    _, _, num_seg = launch_plan(q, v, block_size)
+    _, _, num_seg = launch_plan(q, v, block_size, save_states)
     batch, heads, _, d_k = q.shape
     d_v = v.shape[-1]
     o = output_like(v)
