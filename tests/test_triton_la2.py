@@ -217,8 +217,7 @@ def test_one_segment_saves_nothing(device):
 
 @cases("shape,dtype", {
     "cpu": [((2, 2, 100, 32, 64), torch.float32)],  # the sliced plan's tiles, given explicitly
-    "cuda": [((4, 16, 1000, 128, 128), dtype) for dtype in (torch.bfloat16, torch.float16)]  # the public call's
-    + [((4, 16, 1000, 64, 64), torch.bfloat16)],
+    "cuda": [((4, 16, 1000, 128, 128), torch.bfloat16), ((4, 16, 1000, 64, 64), torch.bfloat16)],  # the public call's
 })
 def test_a_forward_as_one_segment_of_32_column_slices(device, shape, dtype):
     """la2_fast.sliced_forward's plan: with no backward to follow, d_v in 32-column slices and no pre-pass."""
@@ -246,8 +245,6 @@ def test_a_forward_as_one_segment_of_32_column_slices(device, shape, dtype):
     with torch.no_grad():
         o = le.lightning_attention(q, k, v, lam, backend="triton")
     assert relative_error(o, ref) < BOUNDS[dtype]
-    o_grad = le.lightning_attention(q.requires_grad_(), k, v, lam, backend="triton")  # the segmented forward
-    assert relative_error(o_grad.detach(), ref) < BOUNDS[dtype]
 
 
 @on("cuda")
