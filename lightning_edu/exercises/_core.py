@@ -36,6 +36,7 @@ __all__ = [
     "wrong_rows",
     "without_overflow",
     "reader_lines",
+    "lines_by_size",
     "refuse_low_precision",
 ]
 
@@ -131,6 +132,13 @@ def reader_lines(call):
     finally:
         sys.settrace(previous)
     return result, count
+
+
+def lines_by_size(run, sizes) -> dict:
+    """{size: the lines of Python the reader's code ran in ``run(size)``} (:func:`reader_lines`) for each of
+    ``sizes``. How that count grows tells a loop over blocks or tokens (at least a line more per block) from
+    batched work (the same count at every size), where the values cannot."""
+    return {size: reader_lines(lambda: run(size))[1] for size in sizes}
 
 
 def exception_chain(exc: BaseException, limit: int = 8):

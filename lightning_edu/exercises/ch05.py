@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..numpy_blockwise import block_factors, block_slices, blockwise_backward
-from ._core import ExerciseError, exercise, expect_array, expect_close, expect_shape, passed, reader_lines
+from ._core import ExerciseError, exercise, expect_array, expect_close, expect_shape, lines_by_size, passed
 
 __all__ = ["check_dkv_update", "check_dk_inter", "check_reverse_sweep"]
 
@@ -199,10 +199,11 @@ def check_reverse_sweep(reverse_sweep, seed: int = 0) -> None:
         expect_close(f"dv {where}", dv, ref_dv, block_size=block, hint=hint)
     # The values are right; now the algorithm. A sweep over the blocks runs its loop body once per block, so its
     # lines of Python grow with the block count; a dense (n x n) formula or autograd runs the same lines at any n.
-    lines = {}
-    for blocks in (4, 32):
+    def run(blocks):
         q, k, v, do, decay, block = _inputs((1, 1, 8 * blocks, 2, 2, 8, [0.9]), 950 + blocks + seed)
-        _, lines[blocks] = reader_lines(lambda: _call("reverse_sweep", reverse_sweep, q, k, v, do, decay, block))
+        return _call("reverse_sweep", reverse_sweep, q, k, v, do, decay, block)
+
+    lines = lines_by_size(run, (4, 32))
     if lines[32] - lines[4] < 28:
         raise ExerciseError(
             f"reverse_sweep gives the right values, but your code ran {lines[4]} lines of Python on 4 blocks and "

@@ -14,7 +14,7 @@ import torch
 from .. import torch_chunked as tc
 from ..checks import relative_error, to_numpy
 from ._core import (
-    ExerciseError, exercise, expect_close, expect_shape, passed, reader_lines, refuse_low_precision, wrong_rows,
+    ExerciseError, exercise, expect_close, expect_shape, lines_by_size, passed, refuse_low_precision, wrong_rows,
 )
 
 __all__ = ["check_inter_block_outputs", "check_state_scan", "check_inter_block_dq"]
@@ -62,11 +62,11 @@ def _loop_free(name: str, fn, make_args) -> None:
     """The exercises of this chapter ask for every block at once, in tensor operations. Values cannot tell that
     from a Python loop over the blocks (or rows); the lines of Python the reader's code runs can: the same count
     for 1 block and for 16 blocks of 16 rows when the work is batched, at least one more line per block when not."""
-    lines = {}
-    for n_blocks, block in ((1, 4), (16, 16)):
-        gen = torch.Generator().manual_seed(660 + n_blocks)
-        args = make_args(gen, n_blocks, block)
-        _, lines[n_blocks] = reader_lines(lambda: _call(name, fn, *args))
+    def run(n_blocks):
+        args = make_args(torch.Generator().manual_seed(660 + n_blocks), n_blocks, 4 if n_blocks == 1 else 16)
+        return _call(name, fn, *args)
+
+    lines = lines_by_size(run, (1, 16))
     if lines[16] - lines[1] >= 15:
         raise ExerciseError(
             f"{name} gives the right values, but your code ran {lines[1]} lines of Python on 1 block and {lines[16]} on "
