@@ -176,6 +176,7 @@ def test_a_forward_without_backward_trades_segments_for_slices_at_the_benchmarks
     assert sliced_forward(256, 2048, 64, 64, 132) is None  # T = 2K: 256 programs of 64 columns already
     assert sliced_forward(64, 1000, 128, 64, 132) == (32, 3, 1024)  # one segment: n rounded up to whole blocks
     assert sliced_forward(64, 8192, 256, 32, 132) is None  # beyond d = 128 the tiles are other
+    assert sliced_forward(128, 8192, 32, 64, 132) is None  # d_v <= 32: 32-column slices add no programs
 
 
 @given(batch_heads=st.integers(1, 600), n=st.integers(1, 200_000), d_v=st.sampled_from([16, 32, 48, 64, 96, 128]),

@@ -452,7 +452,7 @@ def sliced_forward(batch_heads: int, n: int, d_v: int, block: int, sm_count: int
     with them the forward + backward at d = 128, T = 8K took 1.16-1.21 ms against 1.19-1.23 ms without (chapter 07).
     Three pipeline stages: with two, the sliced kernels alone took 0.390 ms at d = 128, T = 8K."""
     slices = cdiv(d_v, SLICE)
-    if d_v > 128 or batch_heads * cdiv(d_v, 64) >= sm_count:
+    if not SLICE < d_v <= 128 or batch_heads * cdiv(d_v, 64) >= sm_count:  # d_v <= 32: no more programs to gain
         return None
     need = sm_count - sm_count // 10 if slices <= 2 else 2 * sm_count - sm_count // 8
     if batch_heads * slices < need:
