@@ -142,7 +142,7 @@ def test_bad_arguments_are_refused():
         hybrid_attention(q, k, v, block_size=0)
     with pytest.raises(TypeError, match="block_size"):
         hybrid_attention(q, k, v)  # keyword-only and required
-    with pytest.raises(TypeError, match="scale must be a finite real number, got nan"):
+    with pytest.raises(ValueError, match="scale must be a finite real number, got nan"):
         hybrid_attention(q, k, v, block_size=2, scale=float("nan"))
     with pytest.raises(ValueError, match="feature_map must be one of"):
         hybrid_attention(q, k, v, block_size=2, feature_map="exp")

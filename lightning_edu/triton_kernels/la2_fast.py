@@ -440,17 +440,18 @@ def sliced_forward(batch_heads: int, n: int, d_v: int, block: int, sm_count: int
     """(block_dv, num_stages, seg_len) of a 16-bit forward with no backward to follow, when d_v cut into
     :data:`SLICE`-column slices, as one segment, gives the chip enough programs; else None (the usual plan).
 
-    Segments and slices both add programs. A segment re-reads K and V from HBM in the pre-pass; a slice
-    re-reads Q and K, but in step with the other slices of its (batch, head), so mostly from L2. Where the
-    usual 64-column slices leave SMs idle (``batch_heads * cdiv(d_v, 64) < sm_count``) and 32-column slices
-    fill them, one segment of 32-column slices skips the pre-pass. Enough means: with at most two slices (d_v <= 64)
-    one program per SM, less a tenth; with more (d <= 128) two per SM, less an eighth, since each slice repeats
-    the scores tile. Measured on an H100 (bf16, 16 heads, 32K tokens per call; forward of the public call):
-    at d = 128, T = 8K (256 programs) 0.292 against 0.326 ms, and at T = 16K (128 programs, not taken) 0.349
-    against 0.344 ms; at d = 64, T = 8K (128 programs), the kernels alone 0.136 against 0.153 ms. With a
-    backward to follow the forward keeps its segments: their saved states spare the dQ pass its pre-pass, and
-    with them the forward + backward at d = 128, T = 8K took 1.16-1.21 ms against 1.19-1.23 ms without (chapter 07).
-    Three pipeline stages: with two, the sliced kernels alone took 0.390 ms at d = 128, T = 8K."""
+    Segments and slices both add programs. A segment re-reads K and V from HBM in the pre-pass; a slice re-reads
+    Q and K, but at the same time as the other slices of its (batch, head) (one wave), so L2 can serve the reads.
+    Where the usual 64-column slices leave SMs idle (``batch_heads * cdiv(d_v, 64) < sm_count``) and 32-column
+    slices fill them, one segment of 32-column slices skips the pre-pass. Enough means: with at most two slices
+    (d_v <= 64) one program per SM, less a tenth; with more (d_v <= 128) two per SM, less an eighth, since each
+    slice repeats the scores tile. Measured on an H100 (bf16, 16 heads, 32K tokens per call; forward of the
+    public call): at d = 128, T = 8K (256 programs) 0.292 against 0.326 ms, and at T = 16K (128 programs, not
+    taken) 0.349 against 0.344 ms; at d = 64, T = 8K (128 programs), the kernels alone 0.136 against 0.153 ms.
+    With a backward to follow the forward keeps its segments: their saved states spare the dQ pass its
+    pre-pass, and with them the forward + backward at d = 128, T = 8K took 1.16-1.21 ms against 1.19-1.23 ms
+    without. Three pipeline stages: with two, the sliced kernels alone took 0.390 ms at d = 128,
+    T = 8K."""
     slices = cdiv(d_v, SLICE)
     if not SLICE < d_v <= 128 or batch_heads * cdiv(d_v, 64) >= sm_count:  # d_v <= 32: no more programs to gain
         return None
