@@ -222,7 +222,7 @@ def test_one_segment_saves_nothing(device):
 def test_a_forward_as_one_segment_of_32_column_slices(device, shape, dtype):
     """la2_fast.sliced_forward's plan: with no backward to follow, d_v in 32-column slices and no pre-pass."""
     from lightning_edu.triton_kernels import ops
-    from lightning_edu.triton_kernels.la2_fast import la2_fast_forward, sliced_plan
+    from lightning_edu.triton_kernels.la2_fast import backend_tiles, la2_fast_forward, sliced_plan
 
     q, k, v, _, s0, _ = kernel_inputs(shape, device, dtype, seed=7)
     lam = np.linspace(0.9, 0.9999, shape[1])
@@ -234,9 +234,9 @@ def test_a_forward_as_one_segment_of_32_column_slices(device, shape, dtype):
                                                          block_dv=32, num_warps=4, num_stages=3,
                                                          seg_len=-(-n // 16) * 16))
         assert relative_error(o, ref) < BOUNDS[dtype]
-        assert sliced_plan(q, v) is None  # the interpreter keeps its segments
+        assert sliced_plan(q, v, backend_tiles(q, v)[0]) is None  # the interpreter keeps its segments
         return
-    plan = sliced_plan(q, v)
+    plan = sliced_plan(q, v, backend_tiles(q, v)[0])
     if plan is None:
         pytest.skip(f"this GPU's {torch.cuda.get_device_properties(0).multi_processor_count} SMs do not call for it")
     cfg, seg_len, num_seg = ops.launch_plan(q, v, None, save_states=False)

@@ -102,4 +102,3 @@ def usage_refused(argv: list[str], doc: str, counts=(1,)) -> int | None:
         print(doc)
         return 2
     return None
-

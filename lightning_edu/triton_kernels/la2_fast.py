@@ -549,16 +549,13 @@ def backend_tiles(q, v, block=None, block_dv=None, num_warps=None, num_stages=No
             num_stages or cfg["num_stages"])
 
 
-def sliced_plan(q, v, block_size: int | None = None) -> tuple[int, int, int] | None:
-    """:func:`sliced_forward`'s plan for these (batch, heads, n, d) tensors on the backend's tiles: for 16-bit
-    inputs on a GPU, d_k, d_v <= 128 and the backend's block (``block_size`` None); else None."""
+def sliced_plan(q, v, block: int) -> tuple[int, int, int] | None:
+    """:func:`sliced_forward`'s plan for these (batch, heads, n, d) tensors and the backend's ``block``: for
+    16-bit inputs on a GPU with d_k, d_v <= 128; else None. Callers ask only when the backend picks the tiles."""
     import torch
 
-    if q.dtype not in (torch.float16, torch.bfloat16) or interpreted(q) or block_size is not None:
+    if q.dtype not in (torch.float16, torch.bfloat16) or interpreted(q) or max(q.shape[-1], v.shape[-1]) > 128:
         return None
-    if max(q.shape[-1], v.shape[-1]) > 128:
-        return None
-    block = backend_tiles(q, v)[0]
     return sliced_forward(q.shape[0] * q.shape[1], q.shape[2], v.shape[-1], block, _sm_count(q.device))
 
 
@@ -572,10 +569,9 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None 
     takes :func:`sliced_forward`'s plan where it applies, as the backend does.
     bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
     refuse_interpreted_bf16("la2_fast_forward", q, k, v)
-    plan = None
-    if (block, block_dv, num_warps, num_stages, seg_len) == (None,) * 5 and not save_states:
-        plan = sliced_plan(q, v)
+    backend_picks = (block, block_dv, num_warps, num_stages, seg_len) == (None,) * 5 and not save_states
     block, block_dv, num_warps, num_stages = backend_tiles(q, v, block, block_dv, num_warps, num_stages)
+    plan = sliced_plan(q, v, block) if backend_picks else None
     if plan is not None:
         block_dv, num_stages, seg_len = plan
     s0 = dense(initial_state.float()) if initial_state is not None else None

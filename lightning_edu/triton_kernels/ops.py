@@ -89,16 +89,16 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
     cfg = kernel_config(d_k, d_v, compute_dtype(q), block_size, interpreted(q))
+    sliced = None if save_states or block_size is not None else sliced_plan(q, v, cfg["block"])
+    if sliced is not None:
+        block_dv, num_stages, seg_len = sliced
+        return {**cfg, "block_dv": block_dv, "num_stages": num_stages}, seg_len, 1
     sms = sm_count(q.device)
     block_dv = cfg["block_dv"]
     if block_dv is None:  # as la2_fast._forward_form: split d_v only when (batch, head) programs fill the chip
         block_dv = 64 if batch * heads >= sms else 128
     slices = cdiv(d_v, min(pad_dim(d_v), block_dv))
     num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sms, None, short_blocks(q.device))
-    sliced = None if save_states else sliced_plan(q, v, block_size)
-    if sliced is not None:
-        block_dv, num_stages, seg_len = sliced
-        return {**cfg, "block_dv": block_dv, "num_stages": num_stages}, seg_len, 1
     return cfg, seg_len, num_seg
 
 
