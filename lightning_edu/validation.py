@@ -110,12 +110,13 @@ class StepArgs:
     d_v: int
 
 
-def validate_block_size(block_size: Any, name: str = "block_size") -> int | None:
-    """None, or a positive Python/numpy integer (bool is refused: True is not a block size)."""
-    if block_size is None:
+def validate_block_size(block_size: Any, name: str = "block_size", *, required: bool = False) -> int | None:
+    """None (unless ``required``), or a positive Python/numpy integer (bool is refused: True is not a block size)."""
+    if block_size is None and not required:
         return None
     if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
-        raise TypeError(f"{name} must be a positive integer or None, got {type(block_size).__name__} {block_size!r}")
+        expected = "a positive integer" if required else "a positive integer or None"
+        raise TypeError(f"{name} must be {expected}, got {type(block_size).__name__} {block_size!r}")
     if block_size < 1:
         raise ValueError(f"{name} must be a positive integer, got {block_size}")
     return int(block_size)
@@ -626,10 +627,7 @@ def validate_hybrid_args(q: Any, k: Any, v: Any, decay: Any, block_size: Any, sc
     if backend == "auto" and _kind(q) == "torch":
         backend = "torch"
     args = validate_attention_args(q, k, v, decay, backend=backend, decay_grad=True)
-    if block_size is None or isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral):
-        raise TypeError("block_size must be a positive integer (the length of the softmax blocks), got "
-                        f"{type(block_size).__name__} {block_size!r}")
-    block = validate_block_size(block_size)
+    block = validate_block_size(block_size, required=True)  # the length of the softmax blocks
     scale = args.d_k ** -0.5 if scale is None else check_finite_scalar("scale", scale)
     return args, block, scale
 

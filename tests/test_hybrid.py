@@ -136,8 +136,10 @@ def test_bad_arguments_are_refused():
     qt, kt, vt = (torch.from_numpy(x).float() for x in (q, k, v))
     with pytest.raises(ValueError, match="backend='triton' is not supported by hybrid_attention.*use backend='torch'"):
         hybrid_attention(qt, kt, vt, block_size=16, backend="triton")
-    with pytest.raises(TypeError, match="block_size must be a positive integer .* got None"):
+    with pytest.raises(TypeError, match="^block_size must be a positive integer, got NoneType None$"):
         hybrid_attention(q, k, v, block_size=None)
+    with pytest.raises(TypeError, match="^block_size must be a positive integer, got float 8.0$"):
+        hybrid_attention(q, k, v, block_size=8.0)
     with pytest.raises(ValueError, match="block_size must be a positive integer, got 0"):
         hybrid_attention(q, k, v, block_size=0)
     with pytest.raises(TypeError, match="block_size"):

@@ -122,6 +122,29 @@ def test_record_plan_maps_inputs_buffers_and_constants():
     assert none is None and torch.equal(out, y * 3) and out.data_ptr() != result[0].data_ptr()
 
 
+def test_a_replay_allocates_each_buffer_just_before_the_launch_that_first_uses_it(monkeypatch):
+    x = torch.arange(4.0)
+
+    def launcher(x):
+        a = torch.empty_like(x)
+        b = torch.empty_like(x)
+        _tiles.launch(_Writer(), (1,))(x, a, 3)
+        _tiles.launch(_Writer(), (1,))(a, b, 2)
+        _tiles.launch(_Writer(), (1,))(b, a, 5)
+        return a, b
+
+    _, plan = _tiles.record_plan(launcher, (x,), x)
+    assert plan is not None and plan.before == [1, 2, 2]
+    events = []
+    real_empty = torch.empty_strided
+    monkeypatch.setattr(torch, "empty_strided", lambda *a, **kw: events.append("allocate") or real_empty(*a, **kw))
+    plan.launches = [(lambda *args, run=run: events.append("launch") or run(*args), template)
+                     for run, template in plan.launches]
+    a, b = plan.replay((x,))
+    assert events == ["allocate", "launch", "allocate", "launch", "launch"]
+    assert torch.equal(b, x * 6) and torch.equal(a, x * 30)
+
+
 @pytest.mark.parametrize("mistake", ["written by torch", "a view of an input", "two views of one buffer",
                                      "an output no kernel wrote"])
 def test_record_plan_refuses_what_a_replay_could_not_reproduce(mistake):

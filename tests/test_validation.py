@@ -331,6 +331,13 @@ def test_block_size_not_an_integer(name, block_size, given):
         call(name, q, k, v, block_size=block_size)
 
 
+@pytest.mark.parametrize("block_size, given", [(None, "NoneType None"), (2.5, "float 2.5"), (True, "bool True")])
+def test_a_required_block_size_refuses_none_and_says_so(block_size, given):
+    with pytest.raises(TypeError, match=rf"^block_size must be a positive integer, got {given}$"):
+        validate_block_size(block_size, required=True)
+    assert validate_block_size(np.int64(48), required=True) == 48
+
+
 def test_validate_block_size_accepts_integers_and_none():
     assert validate_block_size(None) is None
     assert validate_block_size(1) == 1
