@@ -213,7 +213,7 @@ def test_run_table_interleaves_every_shape_and_skips_past_max_T(monkeypatch):
 
 
 @pytest.mark.parametrize("module", ["bench", "host", "first_call", "figure3", "tgs", "quality", "decode", "drift",
-                                    "la3_sweep", "torch_sweep"])
+                                    "la3_sweep", "torch_sweep", "kernels"])
 def test_every_measuring_module_answers_help_with_its_usage_and_writes_nothing(module, tmp_path, monkeypatch, capsys):
     import importlib
 

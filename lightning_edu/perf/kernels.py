@@ -17,7 +17,9 @@ bytes read from and written to DRAM, ``dram_TBps`` (those bytes over the time), 
 Compute's DRAM throughput, percent of the peak), ``l2_hit_pct``, ``tensor_pipe_pct`` (the tensor cores' busy
 cycles, percent of the active ones), the warps in flight per SM (``warps_active_pct``, percent of the SM's 64)
 against what the launch allows (``warps_limit_pct``), the registers per thread, and the blocks per SM that
-registers and shared memory each allow. ``tensor_bytes`` is one of q, k, v, o in bytes, the unit to read the
+registers and shared memory each allow; from the compiled kernel, as Triton reports it: ``spilled_words`` (local
+memory per thread, in 32-bit words: registers the compiler could not keep), ``shared_bytes``, ``warps`` and
+``stages`` (its pipeline depth). ``tensor_bytes`` is one of q, k, v, o in bytes, the unit to read the
 DRAM bytes in: the forward must read three of them and write one. One JSON record with the machine, versions,
 commit, the ncu version and its command.
 """
@@ -33,7 +35,7 @@ import shutil
 import subprocess
 import sys
 
-__all__ = ["METRICS", "KERNELS", "parse_ncu_csv", "label_launches", "main"]
+__all__ = ["METRICS", "KERNELS", "parse_ncu_csv", "label_launches", "kernel_table", "main"]
 
 METRICS = {  # the record's name -> the Nsight Compute metric (Hopper)
     "time_ns": "gpu__time_duration.sum",
@@ -67,9 +69,12 @@ ops.REPLAY = False  # every launch through _tiles.launch, where it is noted; the
 launches, where = [], ["forward"]
 fast_launch = _tiles._fast_launch
 def noted(kernel, grid, *args, **meta):
+    compiled = fast_launch(kernel, grid, *args, **meta)
     launches.append({"pass": where[0], "kernel": kernel.fn.__name__, "grid": list(grid),
-                     "exact": bool(meta.get("SAFE", False))})
-    return fast_launch(kernel, grid, *args, **meta)
+                     "exact": bool(meta.get("SAFE", False)), "spilled_words": compiled.n_spills,
+                     "shared_bytes": compiled.metadata.shared, "warps": compiled.metadata.num_warps,
+                     "stages": compiled.metadata.num_stages})
+    return compiled
 _tiles._fast_launch = noted
 def inference():
     with torch.no_grad():
@@ -134,12 +139,38 @@ def label_launches(rows: list[dict], launches: list[dict], tensor_bytes: int) ->
                              f"{noted['kernel']} on {grid}")
         time_s = row["time_ns"] * 1e-9
         moved = row["dram_read_bytes"] + row["dram_write_bytes"]
-        out.append({"pass": noted["pass"], "exact": noted["exact"], **row,
+        compiled = {key: noted[key] for key in ("spilled_words", "shared_bytes", "warps", "stages") if key in noted}
+        out.append({"pass": noted["pass"], "exact": noted["exact"], **row, **compiled,
                     "time_us": round(row["time_ns"] / 1e3, 2),
                     "dram_TBps": round(moved / time_s / 1e12, 3) if time_s > 0 else None,
                     "read_tensors": round(row["dram_read_bytes"] / tensor_bytes, 3),
                     "written_tensors": round(row["dram_write_bytes"] / tensor_bytes, 3)})
     return out
+
+
+def kernel_table(record: dict, passes: tuple[str, ...] = ("forward",), exact: bool = False,
+                 lengths: tuple[int, ...] | None = None) -> str:
+    """A Markdown table of a record's launches in ``passes``, in launch order per shape (exact passes only with
+    ``exact``; sequence lengths in ``lengths``, all when None): shape, pass, kernel, grid, time, DRAM bytes read
+    and written in tensors, TB/s and percent of the DRAM peak, L2 hit rate, tensor pipe, warps in flight per SM
+    against the launch's limit, registers per thread (and the 32-bit words spilled to local memory)."""
+    lines = ["| D | T | pass | kernel | grid | µs | DRAM read / written (tensors) | TB/s | % of DRAM peak | "
+             "L2 hits % | tensor pipe % | warps per SM (limit) | registers (spilled) |",
+             "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for shape in record["results"]:
+        if lengths is not None and shape["T"] not in lengths:
+            continue
+        for x in shape["launches"]:
+            if x["pass"] not in passes or (x["exact"] and not exact):
+                continue
+            name = x["kernel"].strip("_").removesuffix("_kernel") + (" (exact pass)" if x["exact"] else "")
+            warps, limit = x["warps_active_pct"] * 64 / 100, x["warps_limit_pct"] * 64 / 100
+            lines.append(f"| {shape['D']} | {shape['T'] // 1024}K | {x['pass']} | `{name}` | "
+                         f"{' x '.join(map(str, x['grid']))} | {x['time_us']:.1f} | "
+                         f"{x['read_tensors']:.2f} / {x['written_tensors']:.2f} | {x['dram_TBps']:.2f} | "
+                         f"{x['dram_pct_of_peak']:.0f} | {x['l2_hit_pct']:.0f} | {x['tensor_pipe_pct']:.0f} | "
+                         f"{warps:.1f} ({limit:.0f}) | {x['registers']:.0f} ({x.get('spilled_words', '?')}) |")
+    return "\n".join(lines)
 
 
 def ncu_command() -> list[str]:
@@ -179,11 +210,11 @@ def main(argv=None) -> int:
     version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     argv = sys.argv[1:] if argv is None else argv
     record = {**environment_record("python -m lightning_edu.perf.kernels " + " ".join(argv)), "ncu": version,
-              "ncu_command": " ".join(ncu_command()), "dtype": "bfloat16", "shapes": []}
+              "ncu_command": " ".join(ncu_command()), "dtype": "bfloat16", "results": []}
     for D in args.D:
         for T in args.T:
             shape = measure(D, T)
-            record["shapes"].append(shape)
+            record["results"].append(shape)
             for x in shape["launches"]:
                 print(f"D={D} T={T} {x['pass']:18s} {x['kernel']:26s}{' exact' if x['exact'] else '':6s} "
                       f"grid={x['grid']} {x['time_us']:9.2f} us read {x['read_tensors']:.2f} wrote "

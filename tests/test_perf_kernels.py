@@ -1,0 +1,122 @@
+"""lightning_edu.perf.kernels: reading Nsight Compute's CSV, matching its rows to the launches a program noted,
+the table the chapters show, and the recorded H100 run. (The measurement itself needs a GPU and ncu.)"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lightning_edu.perf import kernels
+
+RECORD = Path(__file__).resolve().parent.parent / "notebooks" / "data" / "kernels_h100.json"
+
+# What `ncu --csv --page raw` prints, cut down to a few columns: its notes, a header, the units, then one row per
+# launch, numbers with thousands separators.
+NCU_CSV = """==PROF== Connected to process 580 (/usr/bin/python3.12)
+==WARNING== Note: Running with unmodified GPU clocks.
+"ID","Kernel Name","Grid Size","gpu__time_duration.sum","dram__bytes_read.sum","dram__bytes_write.sum","lts__t_sector_hit_rate.pct","launch__registers_per_thread"
+"","","","ns","byte","byte","%","register/thread"
+"0","_segment_state_kernel","(16, 15, 1)","47,328","125,844,736","2,396,416","4.09","66"
+"1","_la2_fast_forward_kernel","(16, 1, 1)","2,880","29,952","0","96.41","253"
+==PROF== Disconnected from process 580
+"""
+
+
+def test_parse_ncu_csv_reads_each_launch_and_skips_notes_and_units():
+    rows = kernels.parse_ncu_csv(NCU_CSV)
+    assert [r["kernel"] for r in rows] == ["_segment_state_kernel", "_la2_fast_forward_kernel"]
+    assert rows[0]["grid"] == [16, 15, 1] and rows[1]["grid"] == [16, 1, 1]
+    assert rows[0]["time_ns"] == 47328.0 and rows[0]["dram_read_bytes"] == 125844736.0
+    assert rows[0]["dram_write_bytes"] == 2396416.0 and rows[1]["l2_hit_pct"] == 96.41 and rows[1]["registers"] == 253
+    assert "dram_pct_of_peak" not in rows[0]  # a metric that is not a column is left out, not invented
+    assert kernels.parse_ncu_csv("==PROF== nothing profiled\n") == []
+
+
+def _launches():
+    return [{"pass": "forward", "kernel": "_segment_state_kernel", "grid": [16, 15, 1], "exact": False,
+             "spilled_words": 0, "shared_bytes": 49152, "warps": 4, "stages": 4},
+            {"pass": "forward", "kernel": "_la2_fast_forward_kernel", "grid": [16], "exact": True}]
+
+
+def test_label_launches_joins_the_rows_to_the_noted_launches_and_derives_the_rates():
+    rows = kernels.parse_ncu_csv(NCU_CSV)
+    out = kernels.label_launches(rows, _launches(), tensor_bytes=2**26)
+    assert [(x["pass"], x["exact"]) for x in out] == [("forward", False), ("forward", True)]
+    assert out[0]["time_us"] == 47.33
+    assert math.isclose(out[0]["dram_TBps"], (125844736 + 2396416) / 47328e-9 / 1e12, abs_tol=1e-3)
+    assert out[0]["read_tensors"] == round(125844736 / 2**26, 3) and out[1]["written_tensors"] == 0.0
+    assert out[0]["spilled_words"] == 0 and out[0]["shared_bytes"] == 49152 and "spilled_words" not in out[1]
+
+
+@pytest.mark.parametrize("mistake", ["one launch fewer", "another kernel", "another grid"])
+def test_label_launches_refuses_rows_that_do_not_match(mistake):
+    rows, noted = kernels.parse_ncu_csv(NCU_CSV), _launches()
+    if mistake == "one launch fewer":
+        noted = noted[:1]
+        match = "ncu profiled 2 launches, the program noted 1"
+    elif mistake == "another kernel":
+        noted[1]["kernel"] = "_la3_dkdv_kernel"
+        match = "launch 1: ncu saw _la2_fast_forward_kernel on \\[16, 1, 1\\], the program noted _la3_dkdv_kernel"
+    else:
+        noted[0]["grid"] = [16, 7, 1]
+        match = "launch 0: ncu saw _segment_state_kernel on \\[16, 15, 1\\]"
+    with pytest.raises(ValueError, match=match):
+        kernels.label_launches(rows, noted, tensor_bytes=2**26)
+
+
+def _record():
+    row = {"time_us": 100.0, "read_tensors": 3.0, "written_tensors": 1.0, "dram_TBps": 2.5, "dram_pct_of_peak": 75.0,
+           "l2_hit_pct": 30.0, "tensor_pipe_pct": 20.0, "warps_active_pct": 12.0, "warps_limit_pct": 12.5,
+           "registers": 171.0, "spilled_words": 0}
+    return {"results": [
+        {"D": 64, "T": 8192, "launches": [{**row, "pass": "forward", "kernel": "_la2_fast_forward_kernel",
+                                           "grid": [64, 1, 2], "exact": False},
+                                          {**row, "pass": "forward", "kernel": "_la2_fast_forward_kernel",
+                                           "grid": [8, 1, 1], "exact": True}]},
+        {"D": 64, "T": 32768, "launches": [{**row, "pass": "training backward", "kernel": "_la3_dkdv_kernel",
+                                            "grid": [16, 16, 1], "exact": False}]}]}
+
+
+def test_kernel_table_filters_passes_exact_passes_and_lengths():
+    table = kernels.kernel_table(_record()).splitlines()
+    assert len(table) == 3  # header, rule, the one forward launch that is not an exact pass
+    assert table[2] == ("| 64 | 8K | forward | `la2_fast_forward` | 64 x 1 x 2 | 100.0 | 3.00 / 1.00 | 2.50 | 75 | 30 "
+                        "| 20 | 7.7 (8) | 171 (0) |")
+    assert len(kernels.kernel_table(_record(), exact=True).splitlines()) == 4
+    assert "(exact pass)" in kernels.kernel_table(_record(), exact=True)
+    backward = kernels.kernel_table(_record(), passes=("training backward",))
+    assert "`la3_dkdv`" in backward and "forward" not in backward.splitlines()[2]
+    assert len(kernels.kernel_table(_record(), passes=("training backward",), lengths=(8192,)).splitlines()) == 2
+
+
+def test_the_ncu_command_reads_every_metric_with_the_clocks_left_alone():
+    command = kernels.ncu_command()
+    assert command[:3] == ["ncu", "--clock-control", "none"] and "--profile-from-start" in command
+    assert command[command.index("--metrics") + 1].split(",") == list(kernels.METRICS.values())
+    pattern = command[command.index("--kernel-name") + 1]
+    assert all(name in pattern for name in kernels.KERNELS)
+
+
+def test_the_h100_record_is_consistent_with_itself():
+    """The chapters read the derived columns; they must follow from the counters the record keeps."""
+    record = json.loads(RECORD.read_text())
+    assert record["machine"].startswith("NVIDIA H100") and record["ncu_command"] == " ".join(kernels.ncu_command())
+    for shape in record["results"]:
+        assert shape["tensor_bytes"] == shape["batch"] * shape["heads"] * shape["T"] * shape["D"] * 2
+        passes = [x["pass"] for x in shape["launches"]]
+        assert passes == sorted(passes, key=["forward", "training forward", "training backward"].index)
+        for x in shape["launches"]:
+            assert x["kernel"] in kernels.KERNELS and set(kernels.METRICS) <= set(x)
+            assert x["time_us"] == round(x["time_ns"] / 1e3, 2)
+            assert x["read_tensors"] == round(x["dram_read_bytes"] / shape["tensor_bytes"], 3)
+            moved = x["dram_read_bytes"] + x["dram_write_bytes"]
+            assert math.isclose(x["dram_TBps"], moved / (x["time_ns"] * 1e-9) / 1e12, abs_tol=1e-3)
+
+
+def test_without_a_gpu_or_ncu_it_says_so_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kernels.main([str(tmp_path / "out.json")]) == 2
+    assert "needs a CUDA device and Nsight Compute" in capsys.readouterr().out and list(tmp_path.iterdir()) == []
