@@ -108,6 +108,7 @@ def test_the_h100_record_is_consistent_with_itself():
         assert passes == sorted(passes, key=["forward", "training forward", "training backward"].index)
         for x in shape["launches"]:
             assert x["kernel"] in kernels.KERNELS and set(kernels.METRICS) <= set(x)
+            assert {"spilled_words", "shared_bytes", "warps", "stages"} <= set(x)
             assert x["time_us"] == round(x["time_ns"] / 1e3, 2)
             assert x["read_tensors"] == round(x["dram_read_bytes"] / shape["tensor_bytes"], 3)
             moved = x["dram_read_bytes"] + x["dram_write_bytes"]
