@@ -49,7 +49,7 @@ def test_label_launches_joins_the_rows_to_the_noted_launches_and_derives_the_rat
     assert out[0]["spilled_words"] == 0 and out[0]["shared_bytes"] == 49152 and "spilled_words" not in out[1]
 
 
-@pytest.mark.parametrize("mistake", ["one launch fewer", "another kernel", "another grid"])
+@pytest.mark.parametrize("mistake", ["one launch fewer", "another kernel", "another grid", "no time"])
 def test_label_launches_refuses_rows_that_do_not_match(mistake):
     rows, noted = kernels.parse_ncu_csv(NCU_CSV), _launches()
     if mistake == "one launch fewer":
@@ -58,9 +58,12 @@ def test_label_launches_refuses_rows_that_do_not_match(mistake):
     elif mistake == "another kernel":
         noted[1]["kernel"] = "_la3_dkdv_kernel"
         match = "launch 1: ncu saw _la2_fast_forward_kernel on \\[16, 1, 1\\], the program noted _la3_dkdv_kernel"
-    else:
+    elif mistake == "another grid":
         noted[0]["grid"] = [16, 7, 1]
         match = "launch 0: ncu saw _segment_state_kernel on \\[16, 15, 1\\]"
+    else:
+        rows[1]["time_ns"] = None  # an "n/a" in ncu's table
+        match = "launch 1: ncu gave no value for time_ns"
     with pytest.raises(ValueError, match=match):
         kernels.label_launches(rows, noted, tensor_bytes=2**26)
 

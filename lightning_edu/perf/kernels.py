@@ -1,7 +1,7 @@
 """The triton backend's kernels one by one under Nsight Compute: time, DRAM bytes, bandwidth, L2 hits,
 occupancy. (Chapters 07 and 08.)
 
-    python -m lightning_edu.perf.kernels OUT.json [--D 128 64] [--T 8192 32768]
+    python -m lightning_edu.perf.kernels OUT.json [--D 128 64] [--T 8192 32768 131072]
 
 For each (D, T) at the benchmark's shapes (bf16, 16 heads, B = max(1, 32768 / T), so 32K tokens per call;
 per-head decay as a CUDA tensor), a child process warms up, then runs one forward without grad (what inference
@@ -128,7 +128,8 @@ def parse_ncu_csv(text: str) -> list[dict]:
 def label_launches(rows: list[dict], launches: list[dict], tensor_bytes: int) -> list[dict]:
     """ncu's rows matched one to one, in order, with the launches the child noted ({"pass", "kernel", "grid",
     "exact"}), and the derived figures added: ``time_us``, ``dram_TBps`` and the DRAM bytes in tensors.
-    Raises ValueError when the two lists disagree (count, kernel or grid), rather than label a row wrongly."""
+    Raises ValueError when the two lists disagree (count, kernel or grid), rather than label a row wrongly, and when
+    a row lacks the time or the DRAM bytes the rates are derived from."""
     if len(rows) != len(launches):
         raise ValueError(f"ncu profiled {len(rows)} launches, the program noted {len(launches)}")
     out = []
@@ -137,6 +138,9 @@ def label_launches(rows: list[dict], launches: list[dict], tensor_bytes: int) ->
         if row["kernel"] != noted["kernel"] or row["grid"] != grid:
             raise ValueError(f"launch {i}: ncu saw {row['kernel']} on {row['grid']}, the program noted "
                              f"{noted['kernel']} on {grid}")
+        missing = [name for name in ("time_ns", "dram_read_bytes", "dram_write_bytes") if row.get(name) is None]
+        if missing:
+            raise ValueError(f"launch {i}: ncu gave no value for {', '.join(missing)}")
         time_s = row["time_ns"] * 1e-9
         moved = row["dram_read_bytes"] + row["dram_write_bytes"]
         compiled = {key: noted[key] for key in ("spilled_words", "shared_bytes", "warps", "stages") if key in noted}
@@ -200,7 +204,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.kernels", description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--D", type=int, nargs="+", default=[128, 64])
-    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
     args = parser.parse_args(argv)
     import torch
 
