@@ -99,6 +99,7 @@ def test_the_ncu_command_reads_every_metric_with_the_clocks_left_alone():
     assert command[command.index("--metrics") + 1].split(",") == list(kernels.METRICS.values())
     pattern = command[command.index("--kernel-name") + 1]
     assert all(name in pattern for name in kernels.KERNELS)
+    assert "--kernel-name" not in kernels.ncu_command(None)  # the library's forward: every kernel it launches
 
 
 def test_the_h100_record_is_consistent_with_itself():
@@ -108,10 +109,12 @@ def test_the_h100_record_is_consistent_with_itself():
     for shape in record["results"]:
         assert shape["tensor_bytes"] == shape["batch"] * shape["heads"] * shape["T"] * shape["D"] * 2
         passes = [x["pass"] for x in shape["launches"]]
-        assert passes == sorted(passes, key=["forward", "training forward", "training backward"].index)
+        assert passes == sorted(passes, key=["forward", "training forward", "training backward", kernels.ANCHOR].index)
         for x in shape["launches"]:
-            assert x["kernel"] in kernels.KERNELS and set(kernels.METRICS) <= set(x)
-            assert {"spilled_words", "shared_bytes", "warps", "stages"} <= set(x)
+            assert set(kernels.METRICS) <= set(x)
+            if x["pass"] != kernels.ANCHOR:  # ours: the backend's kernels, with what the compiler reported
+                assert x["kernel"] in kernels.KERNELS
+                assert {"spilled_words", "shared_bytes", "warps", "stages"} <= set(x)
             assert x["time_us"] == round(x["time_ns"] / 1e3, 2)
             assert x["read_tensors"] == round(x["dram_read_bytes"] / shape["tensor_bytes"], 3)
             moved = x["dram_read_bytes"] + x["dram_write_bytes"]

@@ -1,7 +1,7 @@
 """The triton backend's kernels one by one under Nsight Compute: time, DRAM bytes, bandwidth, L2 hits,
 occupancy. (Chapters 07 and 08.)
 
-    python -m lightning_edu.perf.kernels OUT.json [--D 128 64] [--T 8192 32768 131072]
+    python -m lightning_edu.perf.kernels OUT.json [--D 128 64] [--T 8192 32768 131072] [--anchors]
 
 For each (D, T) at the benchmark's shapes (bf16, 16 heads, B = max(1, 32768 / T), so 32K tokens per call;
 per-head decay as a CUDA tensor), a child process warms up, then runs one forward without grad (what inference
@@ -20,8 +20,9 @@ against what the launch allows (``warps_limit_pct``), the registers per thread, 
 registers and shared memory each allow; from the compiled kernel, as Triton reports it: ``spilled_words`` (local
 memory per thread, in 32-bit words: registers the compiler could not keep), ``shared_bytes``, ``warps`` and
 ``stages`` (its pipeline depth). ``tensor_bytes`` is one of q, k, v, o in bytes, the unit to read the
-DRAM bytes in: the forward must read three of them and write one. One JSON record with the machine, versions,
-commit, the ncu version and its command.
+DRAM bytes in: the forward must read three of them and write one. With ``--anchors``, each shape also profiles
+every kernel of fla's ``chunk_simple_gla`` forward (the closest library, when it imports), as the pass
+:data:`ANCHOR`. One JSON record with the machine, versions, commit, the ncu version and its command.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import shutil
 import subprocess
 import sys
 
-__all__ = ["METRICS", "KERNELS", "parse_ncu_csv", "label_launches", "kernel_table", "main"]
+__all__ = ["METRICS", "KERNELS", "ANCHOR", "parse_ncu_csv", "label_launches", "kernel_table", "measure",
+           "measure_anchor", "main"]
 
 METRICS = {  # the record's name -> the Nsight Compute metric (Hopper)
     "time_ns": "gpu__time_duration.sum",
@@ -177,11 +179,51 @@ def kernel_table(record: dict, passes: tuple[str, ...] = ("forward",), exact: bo
     return "\n".join(lines)
 
 
-def ncu_command() -> list[str]:
-    """The ncu command line, without the program it profiles."""
-    names = "|".join(KERNELS)
-    return ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
-            "--kernel-name", f"regex:^({names})$", "--metrics", ",".join(METRICS.values())]
+def ncu_command(kernels: tuple[str, ...] | None = KERNELS) -> list[str]:
+    """The ncu command line, without the program it profiles: only ``kernels`` profiled (by name), or every
+    kernel when None."""
+    names = [] if kernels is None else ["--kernel-name", f"regex:^({'|'.join(kernels)})$"]
+    return ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw", *names,
+            "--metrics", ",".join(METRICS.values())]
+
+
+ANCHOR = "fla chunk_simple_gla forward"
+"""The pass name of the library's forward that ``--anchors`` profiles beside ours."""
+
+_ANCHOR_CHILD = r"""
+import sys, numpy as np, torch
+from fla.ops.simple_gla import chunk_simple_gla
+from lightning_edu.perf.bench import head_decays
+D, T = int(sys.argv[1]), int(sys.argv[2])
+B, H = max(1, 32768 // T), 16
+gen = torch.Generator(device="cuda").manual_seed(0)
+q, k, v = (torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16() / 4 for _ in range(3))  # its layout
+g_gamma = torch.tensor(np.log(head_decays(H)), dtype=torch.float32, device="cuda")
+def inference():
+    with torch.no_grad():
+        chunk_simple_gla(q, k, v, g_gamma=g_gamma, scale=1.0)
+for _ in range(3):
+    inference()  # the first call autotunes
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStart()
+inference(); torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStop()
+print("TENSOR_BYTES", q.numel() * q.element_size())
+"""
+
+
+def measure_anchor(D: int, T: int) -> list[dict]:
+    """fla's ``chunk_simple_gla`` forward (no grad, inputs in its (batch, T, heads, d) layout, decay as
+    ``g_gamma = log(lambda)``, scale 1) at the shape of :func:`measure`, every kernel it launches under ncu, labelled
+    with the pass :data:`ANCHOR`."""
+    proc = subprocess.run([*ncu_command(None), sys.executable, "-c", _ANCHOR_CHILD, str(D), str(T)],
+                          capture_output=True, text=True)
+    noted = [line for line in proc.stdout.splitlines() if line.startswith("TENSOR_BYTES ")]
+    if proc.returncode != 0 or not noted:
+        raise RuntimeError(f"ncu run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    rows = parse_ncu_csv(proc.stdout)
+    launches = [{"pass": ANCHOR, "kernel": row["kernel"], "grid": row["grid"], "exact": False} for row in rows]
+    return label_launches(rows, launches, int(noted[-1].split()[1]))
 
 
 def measure(D: int, T: int) -> dict:
@@ -205,6 +247,8 @@ def main(argv=None) -> int:
     parser.add_argument("out")
     parser.add_argument("--D", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--anchors", action="store_true",
+                        help="also profile fla's chunk_simple_gla forward at each shape (fla must import)")
     args = parser.parse_args(argv)
     import torch
 
@@ -215,12 +259,18 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     record = {**environment_record("python -m lightning_edu.perf.kernels " + " ".join(argv)), "ncu": version,
               "ncu_command": " ".join(ncu_command()), "dtype": "bfloat16", "results": []}
+    if args.anchors:
+        from importlib.metadata import version as installed
+
+        record.update(fla=installed("fla-core"), ncu_command_anchors=" ".join(ncu_command(None)))
     for D in args.D:
         for T in args.T:
             shape = measure(D, T)
+            if args.anchors:
+                shape["launches"] += measure_anchor(D, T)
             record["results"].append(shape)
             for x in shape["launches"]:
-                print(f"D={D} T={T} {x['pass']:18s} {x['kernel']:26s}{' exact' if x['exact'] else '':6s} "
+                print(f"D={D} T={T} {x['pass']:18s} {x['kernel'][:40]:26s}{' exact' if x['exact'] else '':6s} "
                       f"grid={x['grid']} {x['time_us']:9.2f} us read {x['read_tensors']:.2f} wrote "
                       f"{x['written_tensors']:.2f} tensors {x['dram_TBps']} TB/s ({x['dram_pct_of_peak']}% of peak) "
                       f"L2 hit {x['l2_hit_pct']}% tensor pipe {x['tensor_pipe_pct']}% warps {x['warps_active_pct']}"
