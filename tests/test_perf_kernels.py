@@ -127,3 +127,10 @@ def test_without_a_gpu_or_ncu_it_says_so_and_writes_nothing(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert kernels.main([str(tmp_path / "out.json")]) == 2
     assert "needs a CUDA device and Nsight Compute" in capsys.readouterr().out and list(tmp_path.iterdir()) == []
+
+
+def test_short_names_drop_what_a_table_does_not_need():
+    assert kernels.short_name("_la2_fast_forward_kernel") == "la2_fast_forward"
+    assert kernels.short_name("chunk_fwd_kernel_h") == "chunk_fwd_kernel_h"
+    assert kernels.short_name("void at::vectorized_elementwise_kernel<4, at::AUnaryFunctor<float>>(int, T2, T3)") \
+        == "at::vectorized_elementwise"

@@ -36,7 +36,7 @@ import shutil
 import subprocess
 import sys
 
-__all__ = ["METRICS", "KERNELS", "ANCHOR", "parse_ncu_csv", "label_launches", "kernel_table", "measure",
+__all__ = ["METRICS", "KERNELS", "ANCHOR", "parse_ncu_csv", "label_launches", "short_name", "kernel_table", "measure",
            "measure_anchor", "main"]
 
 METRICS = {  # the record's name -> the Nsight Compute metric (Hopper)
@@ -154,6 +154,15 @@ def label_launches(rows: list[dict], launches: list[dict], tensor_bytes: int) ->
     return out
 
 
+def short_name(kernel: str) -> str:
+    """A kernel's name for a table: ours without the leading underscore and the ``_kernel`` suffix; a C++ kernel's
+    (torch's) without its return type, template arguments and parameters."""
+    name = kernel.removeprefix("void ")
+    for cut in ("<", "("):
+        name = name.split(cut)[0]
+    return name.strip("_").removesuffix("_kernel")
+
+
 def kernel_table(record: dict, passes: tuple[str, ...] = ("forward",), exact: bool = False,
                  lengths: tuple[int, ...] | None = None) -> str:
     """A Markdown table of a record's launches in ``passes``, in launch order per shape (exact passes only with
@@ -169,7 +178,7 @@ def kernel_table(record: dict, passes: tuple[str, ...] = ("forward",), exact: bo
         for x in shape["launches"]:
             if x["pass"] not in passes or (x["exact"] and not exact):
                 continue
-            name = x["kernel"].strip("_").removesuffix("_kernel") + (" (exact pass)" if x["exact"] else "")
+            name = short_name(x["kernel"]) + (" (exact pass)" if x["exact"] else "")
             warps, limit = x["warps_active_pct"] * 64 / 100, x["warps_limit_pct"] * 64 / 100
             lines.append(f"| {shape['D']} | {shape['T'] // 1024}K | {x['pass']} | `{name}` | "
                          f"{' x '.join(map(str, x['grid']))} | {x['time_us']:.1f} | "

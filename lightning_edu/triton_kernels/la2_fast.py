@@ -443,7 +443,7 @@ def sliced_forward(batch_heads: int, n: int, d_v: int, block: int, sm_count: int
     Segments and slices both add programs. A segment re-reads K and V from HBM in the pre-pass; a slice re-reads
     Q and K, but at the same time as the other slices of its (batch, head) (one wave), and L2 serves the reads:
     under Nsight Compute on an H100 (``python -m lightning_edu.perf.kernels``, T = 8K) the sliced forward read
-    3.00 tensors' worth of bytes from DRAM at d = 64 and 3.23 at d = 128, where q, k and v are three.
+    3.00 tensors' worth of bytes from DRAM at d = 64 and 3.20 at d = 128, where q, k and v are three.
     Where the usual 64-column slices leave SMs idle (``batch_heads * cdiv(d_v, 64) < sm_count``) and 32-column
     slices fill them, one segment of 32-column slices skips the pre-pass. Enough means: with at most two slices
     (d_v <= 64) one program per SM, less a tenth; with more (d_v <= 128) two per SM, less an eighth, since each
