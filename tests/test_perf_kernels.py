@@ -90,6 +90,9 @@ def test_kernel_table_filters_passes_exact_passes_and_lengths():
     assert "(exact pass)" in kernels.kernel_table(_record(), exact=True)
     backward = kernels.kernel_table(_record(), passes=("training backward",))
     assert "`la3_dkdv`" in backward and "forward" not in backward.splitlines()[2]
+    anchor = _record()
+    anchor["results"][1]["launches"][0] = {k: v for k, v in anchor["results"][1]["launches"][0].items() if k != "spilled_words"}
+    assert kernels.kernel_table(anchor, passes=("training backward",)).endswith("| 7.7 (8) | 171 |")  # no spills known
     assert len(kernels.kernel_table(_record(), passes=("training backward",), lengths=(8192,)).splitlines()) == 2
 
 

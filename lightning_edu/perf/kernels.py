@@ -12,7 +12,7 @@ cache control it empties the caches before each run, so a kernel starts with not
 clocks are left as they run (``--clock-control none``), as in the benchmark.
 
 Per launch: which call and pass ran it ("forward", or "training forward" / "training backward"), the kernel and
-whether it is an exact pass (``_tiles``: it redoes flagged programs, here none), the grid, ``time_us``, the
+whether it is an exact pass (``_tiles``: it redoes flagged programs; with these finite inputs, none), the grid, ``time_us``, the
 bytes read from and written to DRAM, ``dram_TBps`` (those bytes over the time), ``dram_pct_of_peak`` (Nsight
 Compute's DRAM throughput, percent of the peak), ``l2_hit_pct``, ``tensor_pipe_pct`` (the tensor cores' busy
 cycles, percent of the active ones), the warps in flight per SM (``warps_active_pct``, percent of the SM's 64)
@@ -180,11 +180,12 @@ def kernel_table(record: dict, passes: tuple[str, ...] = ("forward",), exact: bo
                 continue
             name = short_name(x["kernel"]) + (" (exact pass)" if x["exact"] else "")
             warps, limit = x["warps_active_pct"] * 64 / 100, x["warps_limit_pct"] * 64 / 100
+            spilled = f" ({x['spilled_words']})" if "spilled_words" in x else ""  # known for our kernels only
             lines.append(f"| {shape['D']} | {shape['T'] // 1024}K | {x['pass']} | `{name}` | "
                          f"{' x '.join(map(str, x['grid']))} | {x['time_us']:.1f} | "
                          f"{x['read_tensors']:.2f} / {x['written_tensors']:.2f} | {x['dram_TBps']:.2f} | "
                          f"{x['dram_pct_of_peak']:.0f} | {x['l2_hit_pct']:.0f} | {x['tensor_pipe_pct']:.0f} | "
-                         f"{warps:.1f} ({limit:.0f}) | {x['registers']:.0f} ({x.get('spilled_words', '?')}) |")
+                         f"{warps:.1f} ({limit:.0f}) | {x['registers']:.0f}{spilled} |")
     return "\n".join(lines)
 
 
