@@ -137,3 +137,23 @@ def test_short_names_drop_what_a_table_does_not_need():
     assert kernels.short_name("chunk_fwd_kernel_h") == "chunk_fwd_kernel_h"
     assert kernels.short_name("void at::vectorized_elementwise_kernel<4, at::AUnaryFunctor<float>>(int, T2, T3)") \
         == "at::vectorized_elementwise"
+
+
+def test_the_library_run_labels_every_row_ncu_gave_and_a_failed_run_says_what_it_printed(monkeypatch):
+    import subprocess
+
+    outputs = {"ok": NCU_CSV + "TENSOR_BYTES 67108864\n", "failed": "Traceback: no module named fla\n"}
+    run_as = ["ok"]
+
+    def fake_run(command, **kwargs):
+        assert command[:3] == ["ncu", "--clock-control", "none"] and "--kernel-name" not in command
+        return subprocess.CompletedProcess(command, 0 if run_as[0] == "ok" else 1, outputs[run_as[0]], "")
+
+    monkeypatch.setattr(kernels.subprocess, "run", fake_run)
+    launches = kernels.measure_anchor(64, 32768)
+    assert [(x["pass"], x["kernel"]) for x in launches] == [(kernels.ANCHOR, "_segment_state_kernel"),
+                                                             (kernels.ANCHOR, "_la2_fast_forward_kernel")]
+    assert launches[0]["read_tensors"] == round(125844736 / 67108864, 3)
+    run_as[0] = "failed"
+    with pytest.raises(RuntimeError, match="ncu run failed \\(exit 1\\):\nTraceback: no module named fla"):
+        kernels.measure_anchor(64, 32768)

@@ -62,11 +62,12 @@ def _loop_free(name: str, fn, make_args) -> None:
     """The exercises of this chapter ask for every block at once, in tensor operations. Values cannot tell that
     from a Python loop over the blocks (or rows); the lines of Python the reader's code runs can: the same count
     for 1 block and for 16 blocks of 16 rows when the work is batched, at least one more line per block when not."""
-    def run(n_blocks):
-        args = make_args(torch.Generator().manual_seed(660 + n_blocks), n_blocks, 4 if n_blocks == 1 else 16)
-        return _call(name, fn, *args)
+    block = {1: 4, 16: 16}  # rows per block at each block count
 
-    lines = lines_by_size(run, (1, 16))
+    def run(n_blocks):
+        return _call(name, fn, *make_args(torch.Generator().manual_seed(660 + n_blocks), n_blocks, block[n_blocks]))
+
+    lines = lines_by_size(run, block)
     if lines[16] - lines[1] >= 15:
         raise ExerciseError(
             f"{name} gives the right values, but your code ran {lines[1]} lines of Python on 1 block and {lines[16]} on "

@@ -222,30 +222,32 @@ print("TENSOR_BYTES", q.numel() * q.element_size())
 """
 
 
+def _profiled(child: str, D: int, T: int, marker: str, kernels: tuple[str, ...] | None) -> tuple[list[dict], str]:
+    """Run ``child`` (Python source, given D and T) under ncu, profiling ``kernels`` (every kernel when None):
+    (ncu's rows, what the child printed after ``marker`` on its last such line). Raises RuntimeError with the
+    child's output when it fails or prints no ``marker`` line."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([*ncu_command(kernels), sys.executable, "-c", child, str(D), str(T)], capture_output=True,
+                          text=True, env=env)
+    noted = [line for line in proc.stdout.splitlines() if line.startswith(marker + " ")]
+    if proc.returncode != 0 or not noted:
+        raise RuntimeError(f"ncu run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return parse_ncu_csv(proc.stdout), noted[-1][len(marker) + 1:]
+
+
 def measure_anchor(D: int, T: int) -> list[dict]:
     """fla's ``chunk_simple_gla`` forward (no grad, inputs in its (batch, T, heads, d) layout, decay as
     ``g_gamma = log(lambda)``, scale 1) at the shape of :func:`measure`, every kernel it launches under ncu, labelled
     with the pass :data:`ANCHOR`."""
-    proc = subprocess.run([*ncu_command(None), sys.executable, "-c", _ANCHOR_CHILD, str(D), str(T)],
-                          capture_output=True, text=True)
-    noted = [line for line in proc.stdout.splitlines() if line.startswith("TENSOR_BYTES ")]
-    if proc.returncode != 0 or not noted:
-        raise RuntimeError(f"ncu run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    rows = parse_ncu_csv(proc.stdout)
+    rows, tensor_bytes = _profiled(_ANCHOR_CHILD, D, T, "TENSOR_BYTES", None)
     launches = [{"pass": ANCHOR, "kernel": row["kernel"], "grid": row["grid"], "exact": False} for row in rows]
-    return label_launches(rows, launches, int(noted[-1].split()[1]))
+    return label_launches(rows, launches, int(tensor_bytes))
 
 
 def measure(D: int, T: int) -> dict:
     """One (D, T): the child under ncu, its launches labelled."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([*ncu_command(), sys.executable, "-c", _CHILD, str(D), str(T)], capture_output=True,
-                          text=True, env=env)
-    noted = [line for line in proc.stdout.splitlines() if line.startswith("LAUNCHES ")]
-    if proc.returncode != 0 or not noted:
-        raise RuntimeError(f"ncu run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    child = json.loads(noted[-1][len("LAUNCHES "):])
-    rows = parse_ncu_csv(proc.stdout)
+    rows, noted = _profiled(_CHILD, D, T, "LAUNCHES", KERNELS)
+    child = json.loads(noted)
     return {"D": D, "T": T, "batch": child["batch"], "heads": 16, "tensor_bytes": child["tensor_bytes"],
             "launches": label_launches(rows, child["launches"], child["tensor_bytes"])}
 
