@@ -10,7 +10,7 @@ import lightning_edu as le
 from lightning_edu import triton_kernels
 from lightning_edu.checks import relative_error
 from lightning_edu.triton_kernels import kernel_config
-from lightning_edu.triton_kernels.la2_fast import SLICE, choose_segments, prepass_tiles, sliced_forward
+from lightning_edu.triton_kernels.la2_fast import SLICE, choose_segments, prepass_tiles, sliced_forward, value_slices
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -153,6 +153,15 @@ def test_segments_round_down_at_the_benchmarks_shapes():
     assert choose_segments(32, 32768, 64, 132)[0] == 8
     assert choose_segments(16, 131072, 64, 132)[0] == 16  # not 17: 272 programs would start a second wave
     assert choose_segments(64, 8192, 64, 132)[0] == 4  # not 5
+
+
+def test_value_slices_split_d_v_only_when_batch_and_heads_fill_the_chip():
+    # (batch * heads, d_v, block_dv, sms) -> (block_dv, slices)
+    assert value_slices(132, 128, None, 132) == (64, 2)  # enough (batch, head) programs: 64-column slices
+    assert value_slices(131, 128, None, 132) == (128, 1)  # too few: d_v whole, segments add the programs
+    assert value_slices(16, 256, None, 132) == (128, 2)  # a slice is at most 128 columns when left to the grid
+    assert value_slices(16, 48, None, 132) == (64, 1)  # never wider than d_v padded to a power of two
+    assert value_slices(200, 96, 32, 132) == (32, 3)  # a given slice is kept
 
 
 def test_a_short_sequence_is_one_segment_on_a_gpu_only():

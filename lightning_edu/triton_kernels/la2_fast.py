@@ -41,7 +41,7 @@ from ._tiles import (
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
-           "sliced_forward", "SLICE",
+           "sliced_forward", "SLICE", "value_slices",
            "finish_backward", "segment_states", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
 
 
@@ -483,6 +483,17 @@ def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: i
     return block, num_warps, num_stages
 
 
+def value_slices(batch_heads: int, d_v: int, block_dv: int | None, sm_count: int) -> tuple[int, int]:
+    """(block_dv, slices): the columns of d_v each program of the forward kernel takes, and how many such slices
+    make d_v. ``block_dv`` None lets the grid decide: with enough (batch, head) programs to fill the chip, d_v is
+    cut into 64-column slices for more of them; with too few, d_v stays whole (Q, K read once) and segments supply
+    the parallelism (tile sweep, chapter 07). A slice never exceeds d_v padded to a power of two."""
+    if block_dv is None:
+        block_dv = 64 if batch_heads >= sm_count else 128
+    block_dv = min(pad_dim(d_v), block_dv)
+    return block_dv, cdiv(d_v, block_dv)
+
+
 def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, num_warps, num_stages, seg_len,
                   local_states=None, incoming=None, store_incoming=False, out=None, seg_t=False):
     """o_p = q_p sum_{p'<=p} lambda^(p-p') k_p'^T v_p' (+ lambda^(p+1) q_p S0) in processing order p, written into
@@ -501,12 +512,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
     pad_k = pad_dim(d_k)
-    if block_dv is None:
-        # Enough (batch, head) programs to fill the chip: split d_v for more of them. Too few: keep d_v
-        # whole (Q, K read once) and let segments supply the parallelism. (Tile sweep, chapter 07.)
-        block_dv = 64 if batch * heads >= _sm_count(q.device) else 128
-    block_dv = min(pad_dim(d_v), block_dv)
-    slices = cdiv(d_v, block_dv)
+    block_dv, slices = value_slices(batch * heads, d_v, block_dv, _sm_count(q.device))
     num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len,
                                        short_blocks(q.device))
     o = output_like(v) if out is None else out  # for a view of a (batch, n, heads, d) projection: that layout

@@ -54,8 +54,8 @@ from torch import Tensor
 
 from ..torch_chunked import decay_gradient, first_derivative_only
 from . import _tiles
-from ._tiles import cdiv, compile_ahead, interpreted, is_dense, pad_dim, record_plan, sm_count, upcast_for_interpreter
-from .la2_fast import choose_segments, la2_fast_forward, output_like, short_blocks, sliced_plan
+from ._tiles import compile_ahead, interpreted, is_dense, record_plan, sm_count, upcast_for_interpreter
+from .la2_fast import choose_segments, la2_fast_forward, output_like, short_blocks, sliced_plan, value_slices
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
            "compute_dtype", "COMPILE_AHEAD", "ahead_key"]
@@ -94,10 +94,7 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
         block_dv, num_stages, seg_len = sliced
         return {**cfg, "block_dv": block_dv, "num_stages": num_stages}, seg_len, 1
     sms = sm_count(q.device)
-    block_dv = cfg["block_dv"]
-    if block_dv is None:  # as la2_fast._forward_form: split d_v only when (batch, head) programs fill the chip
-        block_dv = 64 if batch * heads >= sms else 128
-    slices = cdiv(d_v, min(pad_dim(d_v), block_dv))
+    _, slices = value_slices(batch * heads, d_v, cfg["block_dv"], sms)  # as la2_fast_forward will
     num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sms, None, short_blocks(q.device))
     return cfg, seg_len, num_seg
 
