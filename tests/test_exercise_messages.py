@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_edu.exercises import ExerciseError
-from lightning_edu.exercises.ch01 import check_right_product
+from lightning_edu.exercises.ch01 import check_normalized_linear_attention, check_right_product
 from lightning_edu.exercises.ch03 import check_decayed_recurrence
 from lightning_edu.exercises.ch04 import check_blockwise_attention
 from lightning_edu.exercises.ch06 import check_inter_block_dq, check_inter_block_outputs
@@ -37,6 +37,23 @@ def row_by_row_left_product(q, k, v):
 def test_a_row_by_row_left_product_is_caught_by_its_time():
     message = _message(check_right_product, row_by_row_left_product)
     assert "its time grows like n^2" in message and "Form K^T V once" in message
+
+
+def row_by_row_normalized(q, k, v):
+    from lightning_edu.numpy_reference import elu_plus_one
+
+    pq, pk = elu_plus_one(q), elu_plus_one(k)
+    out = np.empty(q.shape[:-1] + (v.shape[-1],))
+    for i in range(q.shape[2]):
+        w = pq[:, :, i, None, :] @ pk.swapaxes(-1, -2)  # (batch, heads, 1, n): one row of the weights
+        out[:, :, i] = (w @ v)[:, :, 0] / w.sum(-1)
+    return out
+
+
+def test_1_3_a_row_by_row_normalised_attention_is_caught_by_its_time():
+    message = _message(check_normalized_linear_attention, row_by_row_normalized)
+    assert "normalized_linear_attention" in message and "its time grows like n^2" in message
+    assert "Form S = phi(K)^T V" in message
 
 
 def test_a_row_loop_over_the_right_product_is_linear_and_passes(capsys):

@@ -148,7 +148,9 @@ def describe_recorded(data: dict) -> str:
     versions, the commit and the command; for a record made before a module or folder it names moved, where that
     lives today (:data:`MOVED`), so that the command can be run again."""
     facts = [f"{k} {data[k]}" for k in ("torch", "triton", "driver") if k in data]
-    facts += [f"commit {data['commit'][:12]}"] if data.get("commit") else []
+    if data.get("commit"):  # a short hash, and whatever follows it ("+local changes": measured off a commit)
+        sha, _, rest = data["commit"].partition("+")
+        facts.append(f"commit {sha[:12]}" + (f" + {rest.strip()}" if rest else ""))
     facts = f" ({', '.join(facts)})" if facts else ""
     moved = _moved(data["command"])
     moved = f" [{'; '.join(moved)}]" if moved else ""

@@ -55,6 +55,22 @@ def _no_n_by_n(name: str, fn, seed: int, hint: str) -> tuple[int, int]:
     return n, limit
 
 
+def _linear_time(name: str, fn, seed: int, hint: str) -> None:
+    """Refuse ``fn`` whose time grows like n^2: a loop over the rows of Q, each against all of K, needs no n x n
+    matrix (so the memory check passes) and still does the left product's work."""
+    short, long = (random_qkv(1, 1, length, _MEMORY_D, seed=seed) for length in _TIME_LENGTHS)
+    t_short, t_long = _best_seconds(fn, *short), _best_seconds(fn, *long)
+    ratio = t_long / max(t_short, 1e-6)
+    if t_long > _TIME_FLOOR and ratio > _TIME_RATIO:
+        n_short, n_long = _TIME_LENGTHS
+        raise ExerciseError(
+            f"{name} gives the right numbers in little memory, but its time grows like n^2: {t_short * 1e3:.2g} ms "
+            f"at n = {n_short} and {t_long * 1e3:.3g} ms at n = {n_long} ({n_long // n_short} times the tokens, "
+            f"{ratio:.0f} times the time). A loop over the rows (or blocks of rows) of Q that multiplies each by all of K "
+            f"is the left product done piece by piece: n^2 work even without the n x n matrix. {hint}"
+        )
+
+
 @exercise("1.1", reveals=("linear_attention_right",))
 def check_right_product(right_product, seed: int = 0) -> None:
     """``right_product(q, k, v)`` must compute Q (K^T V) for (batch, heads, n, d) arrays without an n x n matrix."""
@@ -77,18 +93,7 @@ def check_right_product(right_product, seed: int = 0) -> None:
     # Same output as the left product, so only memory can tell the two orders apart
     n, limit = _no_n_by_n("right_product", right_product, 99 + seed,
                           "You computed (Q K^T) V; bracket it as Q (K^T V) so the only intermediate is d_k x d_v")
-    short, long = (random_qkv(1, 1, length, _MEMORY_D, seed=98 + seed) for length in _TIME_LENGTHS)
-    t_short, t_long = _best_seconds(right_product, *short), _best_seconds(right_product, *long)
-    ratio = t_long / max(t_short, 1e-6)
-    if t_long > _TIME_FLOOR and ratio > _TIME_RATIO:
-        n_short, n_long = _TIME_LENGTHS
-        raise ExerciseError(
-            f"right_product gives the right numbers in little memory, but its time grows like n^2: {t_short * 1e3:.2g} ms "
-            f"at n = {n_short} and {t_long * 1e3:.3g} ms at n = {n_long} ({n_long // n_short} times the tokens, "
-            f"{ratio:.0f} times the time). A loop over the rows (or blocks of rows) of Q that multiplies each by all of K "
-            "is the left product (Q K^T) V done piece by piece: n^2 work even without the n x n matrix. Form K^T V "
-            "once (d_k x d_v), then Q (K^T V)"
-        )
+    _linear_time("right_product", right_product, 98 + seed, "Form K^T V once (d_k x d_v), then Q (K^T V)")
     # The exact peak varies by a KiB with numpy's allocator; the message states the bound it met.
     passed(f"right_product matches linear_attention_right on {len(_SHAPES)} shapes and needs under "
                   f"{limit / 2**20:.0f} MiB at n = {n} (an n x n matrix would take {n * n * 8 / 2**20:.0f} MiB)")
@@ -171,6 +176,8 @@ def check_normalized_linear_attention(normalized_linear_attention, seed: int = 0
     n, limit = _no_n_by_n("normalized_linear_attention", normalized_linear_attention, 97 + seed,
                           "The n x n matrix is the weights phi(Q) phi(K)^T. Form S = phi(K)^T V and z = sum_j phi(k_j) "
                           "first; then row i is phi(q_i) S / (phi(q_i) . z)")
+    _linear_time("normalized_linear_attention", normalized_linear_attention, 96 + seed,
+                 "Form S = phi(K)^T V and z = sum_j phi(k_j) once, then divide phi(Q) S row by row by phi(Q) z")
     passed(f"normalized linear attention matches on {len(_SHAPES)} shapes, needs under {limit / 2**20:.0f} MiB at "
-           f"n = {n}; its rows are convex combinations of v")
+           f"n = {n} and linear time; its rows are convex combinations of v")
 
