@@ -4,8 +4,8 @@ Every chapter ends with ``## Exercises``: for each exercise a markdown statement
 cell with the model answer between ``### BEGIN SOLUTION`` and ``### END SOLUTION``, and a code cell that calls
 its check from :mod:`lightning_edu.exercises`. :func:`normalise` gives those cells nbgrader's metadata (the
 statement locked, the answer a solution cell, the check a locked grade cell worth its points) and a hidden test
-(the same check on fresh random inputs, ``seed=None``) between ``### BEGIN HIDDEN TESTS`` and
-``### END HIDDEN TESTS``; a check written at the end of the answer cell is split into its own cell. It is idempotent, and it
+(the same check on fresh random inputs, ``seed=None``; for a check that draws none, whose answer is an input the
+reader built, the same call again) between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS``; a check written at the end of the answer cell is split into its own cell. It is idempotent, and it
 is how a new chapter becomes an assignment.
 
 Commands (``python -m lightning_edu.assignments ...``)::
@@ -26,6 +26,7 @@ import argparse
 import ast
 import copy
 import importlib
+import inspect
 import re
 import sys
 from dataclasses import dataclass, field
@@ -207,16 +208,33 @@ def _split_answer(source: str) -> tuple[str, list[str]]:
     return "\n".join(kept), calls
 
 
-def _hidden_call(call: str) -> str:
+SAME_CHECK_COMMENT = "  # the input is the answer itself: the same check, run again when graded"
+
+
+def _hidden_call(call: str, takes_seed: bool = True) -> str:
+    """The hidden test of one visible check call: the same check with ``seed=None`` (fresh random inputs), or, for
+    a check that draws no random inputs (its answer is an input the reader built), the same call again."""
     try:
         node = ast.parse(call).body[0]
     except SyntaxError as exc:
         raise NotNormalisable(f"cannot read the check call {call!r}: {exc}") from exc
     if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
         raise NotNormalisable(f"a check cell holds {call!r}; it may hold only imports and check_...(your_function) calls")
+    if not takes_seed:
+        return ast.unparse(node) + SAME_CHECK_COMMENT
     node.value.keywords = [k for k in node.value.keywords if k.arg != "seed"]
     node.value.keywords.append(ast.keyword(arg="seed", value=ast.Constant(None)))
     return ast.unparse(node) + HIDDEN_COMMENT
+
+
+def _takes_seed(name: str, module: str) -> bool:
+    """Whether the check ``module.name`` draws random inputs (has a ``seed`` parameter); True when it cannot be
+    imported here (the hidden test then asks for fresh inputs, as for every other check)."""
+    try:
+        check = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return True
+    return "seed" in inspect.signature(check).parameters
 
 
 def _check_source(calls: list[str], modules: dict[str, str], chapter: int) -> str:
@@ -229,7 +247,10 @@ def _check_source(calls: list[str], modules: dict[str, str], chapter: int) -> st
     for name in names:
         by_module.setdefault(modules.get(name, f"lightning_edu.exercises.ch{chapter:02d}"), []).append(name)
     lines = [f"from {module} import {', '.join(sorted(group))}" for module, group in by_module.items()]
-    lines += [""] + calls + [BEGIN_HIDDEN] + [_hidden_call(c) for c in calls] + [END_HIDDEN]
+    module_of = {name: module for module, group in by_module.items() for name in group}
+    hidden = [_hidden_call(c, _takes_seed(_CHECK_CALL.match(c).group(1), module_of[_CHECK_CALL.match(c).group(1)]))
+              for c in calls]
+    lines += [""] + calls + [BEGIN_HIDDEN] + hidden + [END_HIDDEN]
     return "\n".join(lines)
 
 

@@ -106,7 +106,7 @@ def check_decay_tile(decay_tile_kernel, seed: int = 0) -> None:
     passed(f"decay_tile_kernel writes M's tiles on and below the diagonal, zeros above it and past n, for {which}")
 
 
-_FORWARD_SHAPES = [  # (batch, heads, n, d_k, d_v, decays): odd n so the last block is partial
+_FORWARD_SHAPES = [  # (batch, heads, n, d_k, d_v, decays): odd n (a partial last block), and one full block
     (1, 2, 37, 16, 32, [0.9, 0.5]),
     (2, 1, 50, 32, 16, [0.99]),
     (1, 2, 16, 16, 16, [0.05, 1.0]),
@@ -161,5 +161,6 @@ def check_inter_block_kernel(forward_kernel, block: int = 16, seed: int = 0) -> 
                 f"valid rows of {block}: decay the state by lambda^b and scale k by lambda^(b-1-r) with that b, with "
                 "k_scale = 0 on padded rows, and store KV after the last update"
             )
-    passed(f"forward_kernel matches Algorithm 1 (numpy, float64) on {len(_FORWARD_SHAPES)} shapes with "
-                  "partial last blocks and per-head decay: O and the final state")
+    partial = sum(shape[2] % block != 0 for shape in _FORWARD_SHAPES)
+    passed(f"forward_kernel matches Algorithm 1 (numpy, float64) on {len(_FORWARD_SHAPES)} shapes ({partial} with a "
+           "partial last block) and per-head decay: O and the final state")
