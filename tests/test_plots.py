@@ -59,3 +59,12 @@ def test_every_recorded_command_names_a_module_that_can_be_run_today():
             if importlib.util.find_spec(module) is None:
                 assert module in MOVED and f"{module} is {MOVED[module]} today" in line, (path.name, module)
                 assert importlib.util.find_spec(MOVED[module]) is not None, MOVED[module]
+
+
+def test_a_record_line_names_its_commit_and_says_when_none_was_recorded():
+    from lightning_edu.book import describe_recorded
+
+    base = {"machine": "NVIDIA H100 80GB HBM3", "date": "2026-11-25", "command": "python -m lightning_edu.perf.bench"}
+    assert "commit 0123456789ab)" in describe_recorded({**base, "commit": "0123456789abcdef"})
+    assert "commit 8dac551 + local changes)" in describe_recorded({**base, "commit": "8dac551+local changes"})
+    assert "commit not recorded)" in describe_recorded(base)
