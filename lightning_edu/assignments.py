@@ -5,8 +5,9 @@ cell with the model answer between ``### BEGIN SOLUTION`` and ``### END SOLUTION
 its check from :mod:`lightning_edu.exercises`. :func:`normalise` gives those cells nbgrader's metadata (the
 statement locked, the answer a solution cell, the check a locked grade cell worth its points) and a hidden test
 (the same check on fresh random inputs, ``seed=None``; for a check that draws none, whose answer is an input the
-reader built, the same call again) between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS``; a check written at the end of the answer cell is split into its own cell. It is idempotent, and it
-is how a new chapter becomes an assignment.
+reader built, the same call again) between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS``; a check
+written at the end of the answer cell is split into its own cell. It is idempotent, and it is how a new chapter
+becomes an assignment.
 
 Commands (``python -m lightning_edu.assignments ...``)::
 

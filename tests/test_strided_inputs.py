@@ -6,8 +6,8 @@ A model's q, k and v are views of one projection, ``qkv(x).view(b, n, 3, h, d).p
 ``o.transpose(1, 2).reshape(b, n, h * d)`` is free. Checked here:
 
 * the same bits as the same values made contiguous first: o, the final state and the gradients of q, k and v
-  (and the projection's, to rounding: SiLU's backward is PyTorch's), through the backend (both doors: the eager Function and the custom op) and through each launcher (la2_fast, la2_literal,
-  la3), for projection views, rows padded apart, (batch, n, heads, d) order and a transposed head dim (copied);
+  (and the projection's, to rounding: SiLU's backward is PyTorch's), through the backend (both doors: the eager
+  Function and the custom op) and through each launcher (la2_fast, la2_literal, la3), for projection views, rows padded apart, (batch, n, heads, d) order and a transposed head dim (copied);
 * the layouts: o as v, dq as q, dk as k, dv as v, and the fake implementations promising the real strides;
 * an expanded output gradient (``o.sum()``'s, stride 0 everywhere) is copied, not read as a contiguous tensor.
 
