@@ -31,7 +31,7 @@ def _torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def torch_threads():
     """``with torch_threads(n):`` pins torch's threads to n for the block (a test file's autouse fixture uses it)."""
     return _torch_threads

@@ -310,9 +310,12 @@ LM_KEYS = {"kind", "seed", "params", "train_curve", "valid_curve", "best_valid_l
 
 
 @pytest.fixture(scope="module")
-def lm_records():
+def lm_records(torch_threads):
+    # one thread, as every test here runs (the function-scoped _one_thread starts after this module fixture): the
+    # determinism test compares a rerun with these records bit for bit
     cfg = _tiny()["lm"]
-    return {kind: lm_run(kind, cfg, seed=0) for kind in ("softmax", "lightning")}
+    with torch_threads(1):
+        return {kind: lm_run(kind, cfg, seed=0) for kind in ("softmax", "lightning")}
 
 
 @pytest.mark.parametrize("kind", ["softmax", "lightning"])
