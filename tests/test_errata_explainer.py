@@ -74,7 +74,9 @@ def test_katformer_citation_and_the_map_it_stands_for():
     assert "Katharopoulos" in cite.correct and "Transformers are RNNs" in cite.correct and "2006.16236" in cite.correct
     check = cite.check()
     assert check["max_abs_diff_vs_formula"] == 0.0
-    assert check["max_abs_diff_vs_torch"] <= 2.3e-16  # torch forms elu with expm1: one rounding apart
+    # torch forms elu with expm1, numpy's map with exp: a few roundings apart (each library's vector exp differs by
+    # CPU), far below anything that would tell two maps apart
+    assert check["max_abs_diff_vs_torch"] < 1e-15
     assert check["min_on_grid"] > 0
     assert check["underflow"][0] > 0 and check["underflow"][1] == 0.0
     x = torch.linspace(-5, 5, 11, dtype=torch.float64)
