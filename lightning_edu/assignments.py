@@ -228,11 +228,17 @@ def _hidden_call(call: str, takes_seed: bool = True) -> str:
     return ast.unparse(node) + HIDDEN_COMMENT
 
 
-def _takes_seed(name: str, module: str) -> bool:
-    """Whether the check ``module.name`` draws random inputs (has a ``seed`` parameter); True when it cannot be
-    imported here (the hidden test then asks for fresh inputs, as for every other check)."""
+def _check_function(name: str, modules: dict[str, str], chapter: int):
+    """The check called ``name`` in a chapter's check cells: from the module the notebook imports it from, else
+    from the chapter's own ``lightning_edu.exercises.chNN``."""
+    return getattr(importlib.import_module(modules.get(name, f"lightning_edu.exercises.ch{chapter:02d}")), name)
+
+
+def _takes_seed(name: str, modules: dict[str, str], chapter: int) -> bool:
+    """Whether the check ``name`` draws random inputs (has a ``seed`` parameter); True when it cannot be imported
+    here (the hidden test then asks for fresh inputs, as for every other check)."""
     try:
-        check = getattr(importlib.import_module(module), name)
+        check = _check_function(name, modules, chapter)
     except (ImportError, AttributeError):
         return True
     return "seed" in inspect.signature(check).parameters
@@ -248,9 +254,7 @@ def _check_source(calls: list[str], modules: dict[str, str], chapter: int) -> st
     for name in names:
         by_module.setdefault(modules.get(name, f"lightning_edu.exercises.ch{chapter:02d}"), []).append(name)
     lines = [f"from {module} import {', '.join(sorted(group))}" for module, group in by_module.items()]
-    module_of = {name: module for module, group in by_module.items() for name in group}
-    hidden = [_hidden_call(c, _takes_seed(_CHECK_CALL.match(c).group(1), module_of[_CHECK_CALL.match(c).group(1)]))
-              for c in calls]
+    hidden = [_hidden_call(c, _takes_seed(_CHECK_CALL.match(c).group(1), modules, chapter)) for c in calls]
     lines += [""] + calls + [BEGIN_HIDDEN] + hidden + [END_HIDDEN]
     return "\n".join(lines)
 
@@ -416,8 +420,7 @@ _SHOW_SOURCE = re.compile(r"^(\s*)show_source\(\s*([\w.]+?)\s*\)\s*(#.*)?$")
 def _checks_of(ex: Exercise, modules: dict[str, str]):
     chapter = int(ex.number.split(".")[0])
     for name in ex.checks:
-        module = importlib.import_module(modules.get(name, f"lightning_edu.exercises.ch{chapter:02d}"))
-        yield getattr(module, name)
+        yield _check_function(name, modules, chapter)
 
 
 def student_source(nb):
