@@ -418,10 +418,11 @@ TUNE_TIMER = ("triton.testing.do_bench_cudagraph, median: each configuration's l
 def run_tune(args) -> dict:
     """Sweep the la2_fast tiles: forward kernel (also used for dQ) and the fused dK/dV kernel, separately.
 
-    Timed by :data:`TUNE_TIMER`. A tile question is a question about the GPU: the launchers are called directly
-    here, with their host code on every call, and at d = 64 and T = 2K that host code takes about as long as the
-    kernels, so ``do_bench`` (which times the host's gaps too) ranked the same kernel twice at 0.11 and 0.18 ms on
-    an H100. (The H200 sweep, notebooks/data/tune_h200.json, was timed by ``do_bench``.)"""
+    Timed by :data:`TUNE_TIMER`. Tiles are a question about the GPU: the launchers are called directly here, their
+    host code running on every call, and at d = 64 the kernels take only 0.1 to 0.15 ms; ``do_bench`` (which times
+    the GPU's idle gaps too) timed one kernel at 0.112 and 0.182 ms on an H100, at T = 2K
+    (notebooks/data/tune_h100_do_bench.json). The H200 sweep (notebooks/data/tune_h200.json) was timed by
+    ``do_bench``."""
     import itertools
 
     import torch

@@ -51,8 +51,11 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
 
     The 16-bit tiles were chosen by the H200 tile sweep of chapter 07 (``bench --tune``,
     notebooks/data/tune_h200.json): 64-row blocks, or 32-row blocks when a head dim exceeds 128. That sweep was
-    bf16 only. d_v is cut into 64-column slices above d = 64 (two programs per (batch, head) and segment at
-    d = 128, each reading all of Q and K), measured on an H100 with the segment count of
+    bf16 only. The same sweep on an H100 (notebooks/data/tune_h100.json, GPU time alone) found these tiles the
+    fastest at d = 128, T = 32K, and within 11 % of the fastest elsewhere: 3 stages instead of 2 were 3-5 %
+    faster at d = 64, and at T = 2K, d = 128, d_v whole with 8 warps 10 % faster (tiles are chosen by d, not T).
+    d_v is cut into 64-column slices above d = 64 (two programs per (batch, head) and segment at d = 128, each
+    reading all of Q and K), measured on an H100 with the segment count of
     :func:`~.la2_fast.choose_segments` (bf16, d = 128, 16 heads, 32K tokens per call; forward / backward ms):
     0.356 / 0.915 against 0.377 / 1.037 with d_v whole at T = 8K, 0.377 / 0.936 against 0.408 / 1.070 at 32K and
     1.423 / 3.607 against 1.471 / 3.757 at 128K.
