@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from kernel_cases import cases, kernel_inputs, to_numpy64
 
 import lightning_edu as le
 from lightning_edu import triton_kernels
@@ -207,3 +208,43 @@ def test_prepass_streams_32_row_blocks_in_16_bit(dtype):
 
 def test_prepass_keeps_the_given_tiles_in_fp32():
     assert prepass_tiles(torch.float32, 4096, 32, 8, 2) == (32, 8, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_more_head_pairs_than_sms_take_d_v_whole_above_d_64(dtype):
+    """Two 64-column slices per (batch, head) would need more than one wave of programs: d_v whole, 8 warps."""
+    whole = dict(block=64, block_dv=128, num_warps=8, num_stages=3)
+    assert kernel_config(128, 128, dtype, batch_heads=256, sms=132) == whole
+    assert kernel_config(96, 128, dtype, batch_heads=133, sms=132) == whole
+    assert kernel_config(128, 128, dtype, block_size=32, batch_heads=256, sms=132)["block"] == 32
+    for pairs in (4, 132):  # the slices fit in one wave (two programs per SM)
+        assert kernel_config(128, 128, dtype, batch_heads=pairs, sms=132) == kernel_config(128, 128, dtype)
+    for d in (64, 192):  # d_v <= 64 is never sliced; above 128 the 32-row tiles stay
+        assert kernel_config(d, d, dtype, batch_heads=256, sms=132) == kernel_config(d, d, dtype)
+    assert kernel_config(128, 128, torch.float32, batch_heads=256, sms=132) == kernel_config(128, 128, torch.float32)
+
+
+@cases("shape,dtype", {
+    # in the interpreter the device has 4 SMs: 6 (batch, head) pairs are more than it has
+    "cpu": [((1, 6, 70, 96, 80), torch.float16)],
+    "cuda": [((8, 20, 700, 128, 128), dtype) for dtype in (torch.bfloat16, torch.float16)],
+})
+def test_backend_is_right_with_d_v_whole_for_many_heads(device, shape, dtype):
+    from lightning_edu.numpy_blockwise import blockwise_backward, blockwise_forward
+    from lightning_edu.triton_kernels import ops
+    from lightning_edu.triton_kernels._tiles import sm_count
+
+    q, k, v, do, _, _ = kernel_inputs(shape, device, dtype, seed=11)
+    assert shape[0] * shape[1] > sm_count(q.device)
+    for save in (False, True):
+        cfg, _, _ = ops.launch_plan(q, v, None, save_states=save)
+        assert (cfg["block_dv"], cfg["num_warps"]) == (128, 8)
+    lam = np.linspace(0.9, 1.0, shape[1])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o = le.lightning_attention(*leaves, lam, backend="triton")
+    o.backward(do)
+    q64, k64, v64, do64 = (to_numpy64(x) for x in (q, k, v, do))
+    bound = 5e-3 if dtype == torch.float16 else 2e-2
+    assert relative_error(o, blockwise_forward(q64, k64, v64, lam, 64)[0]) < bound
+    for name, x, want in zip(("dq", "dk", "dv"), leaves, blockwise_backward(q64, k64, v64, do64, lam, 64)):
+        assert relative_error(x.grad, want) < bound, name

@@ -45,20 +45,29 @@ __all__ = ["VARIANTS", "triton_attention", "la2_forward", "la2_backward", "kerne
 
 
 def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None = None,
-                  interpreter: bool = False) -> dict:
+                  interpreter: bool = False, *, batch_heads: int | None = None, sms: int | None = None) -> dict:
     """Tile sizes of the backend's kernels for head dims (d_k, d_v) and the dtype the tiles are loaded in, on a GPU
-    (or, with ``interpreter``, in Triton's CPU interpreter).
+    (or, with ``interpreter``, in Triton's CPU interpreter); given ``batch_heads`` (batch * heads) and ``sms`` (the
+    device's :func:`~._tiles.sm_count`), for that many (batch, head) pairs on that device.
 
     The 16-bit tiles were chosen by the H200 tile sweep of chapter 07 (``bench --tune``,
     notebooks/data/tune_h200.json): 64-row blocks, or 32-row blocks when a head dim exceeds 128. That sweep was
-    bf16 only. The same sweep on an H100 (notebooks/data/tune_h100.json, GPU time alone) found these tiles the
-    fastest at d = 128, T = 32K, and within 11 % of the fastest elsewhere: 3 stages instead of 2 were 3-5 %
-    faster at d = 64, and at T = 2K, d = 128, d_v whole with 8 warps 10 % faster (tiles are chosen by d, not T).
-    d_v is cut into 64-column slices above d = 64 (two programs per (batch, head) and segment at d = 128, each
-    reading all of Q and K), measured on an H100 with the segment count of
+    bf16 only. d_v is cut into 64-column slices above d = 64 (two programs per (batch, head) and segment at
+    d = 128, each reading all of Q and K), measured on an H100 with the segment count of
     :func:`~.la2_fast.choose_segments` (bf16, d = 128, 16 heads, 32K tokens per call; forward / backward ms):
     0.356 / 0.915 against 0.377 / 1.037 with d_v whole at T = 8K, 0.377 / 0.936 against 0.408 / 1.070 at 32K and
     1.423 / 3.607 against 1.471 / 3.757 at 128K.
+
+    Unless the slices would not fit in one wave. Two programs of these kernels run on an SM at once; with more
+    (batch, head) pairs than SMs, 64-column slices need more than one wave of programs even as one segment, while
+    d_v whole fits in one (with 256 pairs on 132 SMs: 512 programs against 256). There, for 64 < d <= 128, each
+    program takes d_v whole, with 8 warps (its d x d float32 state takes twice the registers of a slice's) and
+    3 stages, the fastest of the H100 tile sweep at T = 2K (notebooks/data/tune_h100.json, the GPU's time alone:
+    0.281 against 0.312 ms). Through the public call on an H100 (bf16, d = 128, 16 heads, 32K tokens per call;
+    forward / forward + backward ms): 0.291 / 1.079 against 0.320 / 1.261 at T = 2K (256 pairs), 0.302 / 1.123
+    against 0.329 / 1.294 at T = 1K (512), while at T = 4K (128 pairs, where the slices fit) d_v whole took
+    0.350 / 1.225 against 0.264 / 1.049. The same sweep found the other 16-bit tiles the fastest at d = 128,
+    T = 32K, and at d = 64 within 5 % of the fastest (3 stages instead of 2).
 
     float32 takes 16-row blocks up to d = 128: its exact fp32 dots (``input_precision="ieee"``,
     :func:`~._tiles.dot_precision`) run on the FMA units, not the tensor cores, and every product of a larger
@@ -78,6 +87,8 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
         raise TypeError(f"dtype must be a torch floating-point dtype (e.g. torch.bfloat16), got {dtype!r}")
     d = max(d_k, d_v)
     if dtype != torch.float32:
+        if 64 < d <= 128 and batch_heads is not None and sms is not None and batch_heads > sms:
+            return dict(block=block_size or 64, block_dv=128, num_warps=8, num_stages=3)  # 2 slices: over a wave
         return dict(block=block_size or (32 if d > 128 else 64), block_dv=64 if d > 64 else None, num_warps=4,
                     num_stages=2)
     if d > 128:

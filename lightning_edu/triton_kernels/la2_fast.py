@@ -552,7 +552,8 @@ def backend_tiles(q, v, block=None, block_dv=None, num_warps=None, num_stages=No
         return block, block_dv, num_warps, num_stages
     from . import kernel_config  # the package defines it before importing this module
 
-    cfg = kernel_config(q.shape[-1], v.shape[-1], q.dtype, block, interpreted(q))
+    cfg = kernel_config(q.shape[-1], v.shape[-1], q.dtype, block, interpreted(q), batch_heads=q.shape[0] * q.shape[1],
+                        sms=_sm_count(q.device))
     return (cfg["block"], cfg["block_dv"] if block_dv is None else block_dv, num_warps or cfg["num_warps"],
             num_stages or cfg["num_stages"])
 
@@ -691,7 +692,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     d_v = v.shape[-1]
     # dK, dV: one reverse sweep over the shared state dKV.
     block = dkdv_block or block
-    dkdv_stages = dkdv_stages or num_stages
+    dkdv_stages = dkdv_stages or min(num_stages, 2)  # its tile sweep (chapter 08) went to 2 stages, the forward's to 3
     if seg_len is not None and seg_len % block:
         seg_len = cdiv(seg_len, block) * block
     num_seg, seg_len_ = choose_segments(batch * heads, n, block, _sm_count(q.device), seg_len, short_blocks(q.device))

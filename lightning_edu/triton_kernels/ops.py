@@ -88,12 +88,12 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
-    cfg = kernel_config(d_k, d_v, compute_dtype(q), block_size, interpreted(q))
+    sms = sm_count(q.device)
+    cfg = kernel_config(d_k, d_v, compute_dtype(q), block_size, interpreted(q), batch_heads=batch * heads, sms=sms)
     sliced = None if save_states or block_size is not None else sliced_plan(q, v, cfg["block"])
     if sliced is not None:
         block_dv, num_stages, seg_len = sliced
         return {**cfg, "block_dv": block_dv, "num_stages": num_stages}, seg_len, 1
-    sms = sm_count(q.device)
     _, slices = value_slices(batch * heads, d_v, cfg["block_dv"], sms)  # as la2_fast_forward will
     num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sms, None, short_blocks(q.device))
     return cfg, seg_len, num_seg
