@@ -227,15 +227,15 @@ def test_more_head_pairs_than_sms_take_d_v_whole_above_d_64(dtype):
 @cases("shape,dtype", {
     # in the interpreter the device has 4 SMs: 6 (batch, head) pairs are more than it has
     "cpu": [((1, 6, 70, 96, 80), torch.float16)],
-    "cuda": [((8, 20, 700, 128, 128), dtype) for dtype in (torch.bfloat16, torch.float16)],
+    "cuda": [((8, 17, 201, 128, 128), dtype) for dtype in (torch.bfloat16, torch.float16)],  # 136 pairs, 132 SMs
 })
 def test_backend_is_right_with_d_v_whole_for_many_heads(device, shape, dtype):
-    from lightning_edu.numpy_blockwise import blockwise_backward, blockwise_forward
     from lightning_edu.triton_kernels import ops
     from lightning_edu.triton_kernels._tiles import sm_count
 
     q, k, v, do, _, _ = kernel_inputs(shape, device, dtype, seed=11)
-    assert shape[0] * shape[1] > sm_count(q.device)
+    if shape[0] * shape[1] <= sm_count(q.device):
+        pytest.skip(f"this GPU's {sm_count(q.device)} SMs take this many (batch, head) pairs in 64-column slices")
     for save in (False, True):
         cfg, _, _ = ops.launch_plan(q, v, None, save_states=save)
         assert (cfg["block_dv"], cfg["num_warps"]) == (128, 8)
@@ -243,8 +243,11 @@ def test_backend_is_right_with_d_v_whole_for_many_heads(device, shape, dtype):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     o = le.lightning_attention(*leaves, lam, backend="triton")
     o.backward(do)
-    q64, k64, v64, do64 = (to_numpy64(x) for x in (q, k, v, do))
+    # the float64 reference: the torch backend on the CPU (vectorised, with autograd)
+    ref = [torch.from_numpy(to_numpy64(x)).requires_grad_() for x in (q, k, v)]
+    o64 = le.lightning_attention(*ref, lam, backend="torch")
+    o64.backward(torch.from_numpy(to_numpy64(do)))
     bound = 5e-3 if dtype == torch.float16 else 2e-2
-    assert relative_error(o, blockwise_forward(q64, k64, v64, lam, 64)[0]) < bound
-    for name, x, want in zip(("dq", "dk", "dv"), leaves, blockwise_backward(q64, k64, v64, do64, lam, 64)):
-        assert relative_error(x.grad, want) < bound, name
+    assert relative_error(o, o64) < bound
+    for name, x, want in zip(("dq", "dk", "dv"), leaves, ref):
+        assert relative_error(x.grad, want.grad) < bound, name
