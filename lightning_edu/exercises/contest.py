@@ -560,7 +560,8 @@ def _time_shape(forward, T: int, D: int, heads: int, tokens: int, warmup: int, r
     q, k, v, _ = bench_inputs(batch, heads, T, D, torch.bfloat16)
     book_decay = log2_decay_tensor(head_decays(heads), "cuda")
     student_decay = book_decay.clone()  # the book's tensor is cached and shared: the student gets a copy
-    cfg = kernel_config(D, D, torch.bfloat16)
+    cfg = kernel_config(D, D, torch.bfloat16, batch_heads=batch * heads,  # the backend's tiles for this call
+                        sms=torch.cuda.get_device_properties(q.device).multi_processor_count)
 
     def book():
         return la2_fast_forward(q, k, v, book_decay, None, **cfg)[0]
