@@ -553,6 +553,7 @@ def _time_shape(forward, T: int, D: int, heads: int, tokens: int, warmup: int, r
     from ..perf.bench import _inputs as bench_inputs
     from ..perf.bench import hbm_floor_bytes, head_decays
     from ..triton_kernels import kernel_config, log2_decay_tensor
+    from ..triton_kernels._tiles import sm_count
     from ..triton_kernels.la2_fast import la2_fast_forward
 
     batch = max(1, tokens // T)
@@ -560,8 +561,7 @@ def _time_shape(forward, T: int, D: int, heads: int, tokens: int, warmup: int, r
     q, k, v, _ = bench_inputs(batch, heads, T, D, torch.bfloat16)
     book_decay = log2_decay_tensor(head_decays(heads), "cuda")
     student_decay = book_decay.clone()  # the book's tensor is cached and shared: the student gets a copy
-    cfg = kernel_config(D, D, torch.bfloat16, batch_heads=batch * heads,  # the backend's tiles for this call
-                        sms=torch.cuda.get_device_properties(q.device).multi_processor_count)
+    cfg = kernel_config(D, D, torch.bfloat16, batch_heads=batch * heads, sms=sm_count(q.device))  # the backend's
 
     def book():
         return la2_fast_forward(q, k, v, book_decay, None, **cfg)[0]
