@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from lightning_edu.exercises import ExerciseError
-from lightning_edu.exercises.ch07 import check_decay_tile, check_inter_block_kernel
+from lightning_edu.exercises.ch07 import check_decay_tile, check_inter_block_kernel, check_value_slice
 from lightning_edu.exercises.ch08 import check_la1_dq_kernel, check_reverse_sweep_kernel
 
 
@@ -289,3 +289,35 @@ def test_a_kernel_calling_the_package_is_refused():
 
     with pytest.raises(IntegrityError, match=r"calls lightning_edu\.triton_kernels\.la1\._decay_tile: write the algorithm yourself"):
         check_decay_tile(tile_from_the_package)
+
+
+# Exercise 7.4, plain Python: the columns of d_v one program takes, against the backend's kernel_config.
+def _waves(programs, sms):
+    return -(-programs // (2 * sms))
+
+
+def value_slice(batch_heads, d_v, sms):  # the model answer, as in the notebook
+    return d_v if _waves(batch_heads, sms) < _waves(2 * batch_heads, sms) else 64
+
+
+def test_value_slice_solution_passes(capsys):
+    check_value_slice(value_slice)
+    check_value_slice(value_slice, seed=None)
+    check_value_slice(value_slice, seed=12345)
+    out = capsys.readouterr().out
+    assert out.count("Correct: value_slice chooses as the backend does in 54 cases, 30 of them with d_v whole") == 3
+
+
+@pytest.mark.parametrize("answer, message", [
+    (lambda b, d, s: 64, r"chose 64-column slices for 133 \(batch, head\) pairs, d_v = 128, on 132 SMs: 266 programs "
+                          r"in 2 waves of 264, where d_v whole makes 133 programs in 1 wave\. Fewest waves first"),
+    (lambda b, d, s: d, r"chose d_v whole for 1 \(batch, head\) pair, d_v = 128, on 132 SMs: 1 program, where "
+                         r"64-column slices make 2 in the same 1 wave\. On a tie take the more programs"),
+    (lambda b, d, s: d if b >= s else 64, r"chose d_v whole for 132 \(batch, head\) pairs"),  # one pair too early
+    (lambda b, d, s: d if b > 2 * s else 64, r"chose 64-column slices for 133 "),  # waves of one program per SM
+    (lambda b, d, s: 128 if b > s else 64, r"returned 128 for 133 \(batch, head\) pairs, d_v = 96, .*or the whole "
+                                           r"d_v \(96\)"),  # a slice of 128 is d_v whole only at d_v = 128
+])
+def test_value_slice_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        check_value_slice(answer)

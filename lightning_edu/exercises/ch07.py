@@ -6,7 +6,9 @@ random fp32 inputs of odd lengths and compares with the float64 numpy rung:
 * :func:`check_decay_tile` -- a kernel that writes one BLOCK x BLOCK tile of the decay mask M
   (the ingredient of the Lightning Attention-1 kernel), against ``numpy_reference.decay_mask``;
 * :func:`check_inter_block_kernel` -- a Lightning Attention-2 forward kernel whose inter-block part and
-  state update the reader writes, against ``numpy_blockwise.blockwise_forward`` (output and final state).
+  state update the reader writes, against ``numpy_blockwise.blockwise_forward`` (output and final state);
+* :func:`check_value_slice` -- plain Python, no kernel: how many columns of d_v one program of the backend's
+  forward takes for a number of (batch, head) pairs on a GPU, against the backend's own ``kernel_config``.
 
 Kernels receive fp32 tensors; tiles are >= 16 (the GPU rejects smaller ``tl.dot`` shapes).
 """
@@ -18,9 +20,10 @@ import numpy as np
 from ..checks import random_qkv
 from ..numpy_blockwise import blockwise_forward
 from ..numpy_reference import decay_mask
-from ._core import ExerciseError, exception_chain, exercise, expect_close, expect_shape, passed, seeded, wrong_rows
+from ._core import (ExerciseError, call_reader, exception_chain, exercise, expect_close, expect_count, expect_shape,
+                    passed, seeded, wrong_rows)
 
-__all__ = ["check_decay_tile", "check_inter_block_kernel", "tolerance"]
+__all__ = ["check_decay_tile", "check_inter_block_kernel", "check_value_slice", "tolerance"]
 
 
 def _device() -> str:
@@ -164,3 +167,56 @@ def check_inter_block_kernel(forward_kernel, block: int = 16, seed: int = 0) -> 
     partial = sum(shape[2] % block != 0 for shape in _FORWARD_SHAPES)
     passed(f"forward_kernel matches Algorithm 1 (numpy, float64) on {len(_FORWARD_SHAPES)} shapes ({partial} with a "
            "partial last block) and per-head decay: O and the final state")
+
+
+def _waves(programs: int, sms: int) -> int:
+    """Waves of programs at two per SM (the backend's 16-bit kernels fit two on an SM at once)."""
+    return -(-programs // (2 * sms))
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+@exercise("7.4", reveals=("kernel_config",))
+def check_value_slice(value_slice, seed: int = 0) -> None:
+    """``value_slice(batch_heads, d_v, sms)`` must give the columns of d_v that one program of the backend's 16-bit
+    forward takes, for 64 < d_v <= 128 and one segment: 64 (two slices per (batch, head) pair) or d_v (whole), as
+    the backend's ``kernel_config`` chooses: the fewest waves of programs at two per SM, and on a tie the more
+    programs."""
+    import torch
+
+    from ..triton_kernels import kernel_config
+
+    sm_counts, widths = (132, 108, 16), (128, 96)
+    if seed:
+        rng = seeded(seed)
+        sm_counts = tuple(int(x) for x in rng.integers(8, 200, size=3))
+        widths = (int(rng.integers(65, 129)), 128)
+    cases = [(pairs, d_v, sms) for sms in sm_counts for d_v in widths
+             for pairs in sorted({1, sms // 2, sms - 1, sms, sms + 1, 2 * sms - 1, 2 * sms, 2 * sms + 1, 3 * sms + 7})]
+    whole = 0
+    for pairs, d_v, sms in cases:
+        where = f"for {_count(pairs, '(batch, head) pair')}, d_v = {d_v}, on {sms} SMs"
+        got = expect_count("value_slice", call_reader(value_slice, "value_slice", (pairs, d_v, sms), where),
+                           what="a number of columns")
+        want = min(kernel_config(d_v, d_v, torch.bfloat16, batch_heads=pairs, sms=sms)["block_dv"], d_v)
+        whole += want == d_v
+        if got not in (64, d_v):
+            raise ExerciseError(f"value_slice returned {got} {where}: a program takes 64 columns (two slices per "
+                                f"pair) or the whole d_v ({d_v})")
+        if got == want:
+            continue
+        sliced, full = (2 * pairs, _waves(2 * pairs, sms)), (pairs, _waves(pairs, sms))
+        if got == 64:
+            raise ExerciseError(
+                f"value_slice chose 64-column slices {where}: {_count(sliced[0], 'program')} in "
+                f"{_count(sliced[1], 'wave')} of {2 * sms}, where d_v whole makes {_count(full[0], 'program')} in "
+                f"{_count(full[1], 'wave')}. Fewest waves first: in a last, partial wave a few programs run while "
+                "most SMs wait")
+        raise ExerciseError(
+            f"value_slice chose d_v whole {where}: {_count(full[0], 'program')}, where 64-column slices make "
+            f"{sliced[0]} in the same {_count(full[1], 'wave')}. On a tie take the more programs: more loads in "
+            "flight (chapter 07 measured the slices faster at 8K to 128K tokens)")
+    passed(f"value_slice chooses as the backend does in {len(cases)} cases, {whole} of them with d_v whole: pair "
+           f"counts around one and two waves, two widths of d_v, {len(sm_counts)} GPUs of different sizes")
