@@ -191,8 +191,8 @@ def check_value_slice(value_slice, seed: int = 0) -> None:
     sm_counts, widths = (132, 108, 16), (128, 96)
     if seed:
         rng = seeded(seed)
-        sm_counts = tuple(int(x) for x in rng.integers(8, 200, size=3))
-        widths = (int(rng.integers(65, 129)), 128)
+        sm_counts = tuple(int(x) for x in rng.choice(np.arange(8, 200), size=3, replace=False))
+        widths = (int(rng.integers(65, 128)), 128)
     cases = [(pairs, d_v, sms) for sms in sm_counts for d_v in widths
              for pairs in sorted({1, sms // 2, sms - 1, sms, sms + 1, 2 * sms - 1, 2 * sms, 2 * sms + 1, 3 * sms + 7})]
     whole = 0
