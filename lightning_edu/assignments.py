@@ -228,10 +228,15 @@ def _hidden_call(call: str, takes_seed: bool = True) -> str:
     return ast.unparse(node) + HIDDEN_COMMENT
 
 
+def _check_module(name: str, modules: dict[str, str], chapter: int) -> str:
+    """The module a chapter's check ``name`` comes from: the one the notebook imports it from, else the chapter's
+    own ``lightning_edu.exercises.chNN``."""
+    return modules.get(name, f"lightning_edu.exercises.ch{chapter:02d}")
+
+
 def _check_function(name: str, modules: dict[str, str], chapter: int):
-    """The check called ``name`` in a chapter's check cells: from the module the notebook imports it from, else
-    from the chapter's own ``lightning_edu.exercises.chNN``."""
-    return getattr(importlib.import_module(modules.get(name, f"lightning_edu.exercises.ch{chapter:02d}")), name)
+    """The check called ``name`` in a chapter's check cells, from :func:`_check_module`."""
+    return getattr(importlib.import_module(_check_module(name, modules, chapter)), name)
 
 
 def _takes_seed(name: str, modules: dict[str, str], chapter: int) -> bool:
@@ -252,7 +257,7 @@ def _check_source(calls: list[str], modules: dict[str, str], chapter: int) -> st
             names.append(name)
     by_module: dict[str, list[str]] = {}
     for name in names:
-        by_module.setdefault(modules.get(name, f"lightning_edu.exercises.ch{chapter:02d}"), []).append(name)
+        by_module.setdefault(_check_module(name, modules, chapter), []).append(name)
     lines = [f"from {module} import {', '.join(sorted(group))}" for module, group in by_module.items()]
     hidden = [_hidden_call(c, _takes_seed(_CHECK_CALL.match(c).group(1), modules, chapter)) for c in calls]
     lines += [""] + calls + [BEGIN_HIDDEN] + hidden + [END_HIDDEN]

@@ -516,7 +516,7 @@ def time_forward_kernel(forward, *, shapes=TIMING_SHAPES, heads: int = TIMING_HE
 
     Each shape: bfloat16 q, k, v of (tokens // T, heads, T, D), the lambdas of the benchmark
     (:func:`lightning_edu.perf.bench.head_decays`), the book's forward (``la2_fast_forward`` with the backend's
-    tiles, :func:`lightning_edu.triton_kernels.kernel_config`) timed first, then the student's, each by
+    tiles, :func:`lightning_edu.triton_kernels.tiles_for`) timed first, then the student's, each by
     ``triton.testing.do_bench`` (median of the repetitions, ``warmup`` and ``rep`` in ms). do_bench clears the
     L2 cache before every repetition (it writes a 256 MB buffer), so each call reads its inputs from HBM, as
     it would inside a model. Before timing, one call of the student's forward runs with the package's
@@ -552,8 +552,7 @@ def _time_shape(forward, T: int, D: int, heads: int, tokens: int, warmup: int, r
 
     from ..perf.bench import _inputs as bench_inputs
     from ..perf.bench import hbm_floor_bytes, head_decays
-    from ..triton_kernels import kernel_config, log2_decay_tensor
-    from ..triton_kernels._tiles import sm_count
+    from ..triton_kernels import log2_decay_tensor, tiles_for
     from ..triton_kernels.la2_fast import la2_fast_forward
 
     batch = max(1, tokens // T)
@@ -561,7 +560,7 @@ def _time_shape(forward, T: int, D: int, heads: int, tokens: int, warmup: int, r
     q, k, v, _ = bench_inputs(batch, heads, T, D, torch.bfloat16)
     book_decay = log2_decay_tensor(head_decays(heads), "cuda")
     student_decay = book_decay.clone()  # the book's tensor is cached and shared: the student gets a copy
-    cfg = kernel_config(D, D, torch.bfloat16, batch_heads=batch * heads, sms=sm_count(q.device))  # the backend's
+    cfg = tiles_for(q, v)  # the backend's tiles for this call
 
     def book():
         return la2_fast_forward(q, k, v, book_decay, None, **cfg)[0]

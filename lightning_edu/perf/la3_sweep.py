@@ -42,8 +42,7 @@ def main(argv=None) -> int:
     import torch
     from triton.testing import do_bench
 
-    from ..triton_kernels import kernel_config, log2_decay_tensor
-    from ..triton_kernels._tiles import sm_count
+    from ..triton_kernels import kernel_config, log2_decay_tensor, tiles_for
     from ..triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
     from ..triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
     from ..triton_kernels.la3 import la3_backward
@@ -77,7 +76,7 @@ def main(argv=None) -> int:
         for n in (2048, 8192, 32768, 131072):
             batch = max(1, 32768 // n)
             q, k, v, do = (make(batch, n, d, torch.bfloat16) for _ in range(4))
-            cfg = kernel_config(d, d, q.dtype, batch_heads=batch * HEADS, sms=sm_count(q.device))  # the backend's
+            cfg = tiles_for(q, v)  # the backend's tiles for this call
             _, _, saved = la2_fast_forward(q, k, v, l2, None, save_states=True, **cfg)
             runs = {"la2_fast": lambda: la2_fast_backward(q, k, v, do, l2, None, None, saved=saved, **cfg)}
             for name, tiles in TILES.items():

@@ -38,9 +38,10 @@ import torch
 from ..validation import device_decay
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
+from ._tiles import interpreted, sm_count
 from .la3 import la3_backward
 
-__all__ = ["VARIANTS", "triton_attention", "la2_forward", "la2_backward", "kernel_config", "backward_kernel",
+__all__ = ["VARIANTS", "triton_attention", "la2_forward", "la2_backward", "kernel_config", "tiles_for", "backward_kernel",
            "log2_decay_tensor"]
 
 
@@ -99,6 +100,14 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
         block = 16
     return dict(block=block_size or block, block_dv=None, num_warps=4 if d <= 64 else 8,
                 num_stages=2 if d <= 64 else 1)
+
+
+def tiles_for(q: torch.Tensor, v: torch.Tensor, block_size: int | None = None, dtype: torch.dtype | None = None) -> dict:
+    """:func:`kernel_config` for a call on tensors shaped like q (batch, heads, n, d_k) and v (..., d_v): the
+    backend's tiles for that many (batch, head) pairs on q's device (its SM count; Triton's interpreter or not),
+    loaded in ``dtype`` (q's unless given). Every launcher that runs the backend's kernels asks here."""
+    return kernel_config(q.shape[-1], v.shape[-1], dtype or q.dtype, block_size, interpreted(q),
+                         batch_heads=q.shape[0] * q.shape[1], sms=sm_count(q.device))
 
 
 # The Lightning Attention-2 variants share one signature: forward(q, k, v, log2_decay, initial_state, ...)

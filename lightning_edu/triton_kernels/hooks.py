@@ -10,8 +10,8 @@ bf16 arithmetic is wrong); on a GPU bf16 runs in the kernels as it is.
 
 from __future__ import annotations
 
-from . import kernel_config, log2_decay_tensor, triton_attention
-from ._tiles import cdiv, dense, interpreted, sm_count, upcast_for_interpreter
+from . import log2_decay_tensor, tiles_for, triton_attention
+from ._tiles import cdiv, dense, upcast_for_interpreter
 from .la1 import la1_backward, la1_forward
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
@@ -60,8 +60,7 @@ def la2_literal_backward_from_args(args, d_final_state=None, **options):
 
 
 def _la2_fast_config(args, q, segments: bool, fused_dkdv: bool) -> tuple[dict, dict]:
-    cfg = kernel_config(args.d_k, args.d_v, q.dtype, args.block_size, interpreted(q),
-                        batch_heads=args.batch * args.heads, sms=sm_count(q.device))
+    cfg = tiles_for(q, args.v, args.block_size)
     if not segments:  # one segment: the whole sequence, in whole blocks
         cfg["seg_len"] = cdiv(args.seq_len, cfg["block"]) * cfg["block"]
     backward_only = dict(fused_dkdv=True, dkdv_block=64, dkdv_warps=8) if fused_dkdv else {}

@@ -550,10 +550,9 @@ def backend_tiles(q, v, block=None, block_dv=None, num_warps=None, num_stages=No
     then means what it means to the launcher, a slice chosen from the grid.)"""
     if block is not None and num_warps is not None and num_stages is not None:
         return block, block_dv, num_warps, num_stages
-    from . import kernel_config  # the package defines it before importing this module
+    from . import tiles_for  # the package defines it before importing this module
 
-    cfg = kernel_config(q.shape[-1], v.shape[-1], q.dtype, block, interpreted(q), batch_heads=q.shape[0] * q.shape[1],
-                        sms=_sm_count(q.device))
+    cfg = tiles_for(q, v, block)
     return (cfg["block"], cfg["block_dv"] if block_dv is None else block_dv, num_warps or cfg["num_warps"],
             num_stages or cfg["num_stages"])
 

@@ -84,16 +84,16 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
     segment states always have the layout computed here. A forward that saves no states (no backward to follow)
     may instead take :func:`~.la2_fast.sliced_forward`'s plan: 32-column slices of d_v as one segment.
     """
-    from . import kernel_config  # the package defines it before importing this module
+    from . import tiles_for  # the package defines it before importing this module
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
-    sms = sm_count(q.device)
-    cfg = kernel_config(d_k, d_v, compute_dtype(q), block_size, interpreted(q), batch_heads=batch * heads, sms=sms)
+    cfg = tiles_for(q, v, block_size, compute_dtype(q))
     sliced = None if save_states or block_size is not None else sliced_plan(q, v, cfg["block"])
     if sliced is not None:
         block_dv, num_stages, seg_len = sliced
         return {**cfg, "block_dv": block_dv, "num_stages": num_stages}, seg_len, 1
+    sms = sm_count(q.device)
     _, slices = value_slices(batch * heads, d_v, cfg["block_dv"], sms)  # as la2_fast_forward will
     num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sms, None, short_blocks(q.device))
     return cfg, seg_len, num_seg
