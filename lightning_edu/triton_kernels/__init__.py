@@ -53,7 +53,9 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
 
     The 16-bit tiles were chosen by the H200 tile sweep of chapter 07 (``bench --tune``,
     notebooks/data/tune_h200.json): 64-row blocks, or 32-row blocks when a head dim exceeds 128. That sweep was
-    bf16 only. d_v is cut into 64-column slices above d = 64 (two programs per (batch, head) and segment at
+    bf16 only. Up to d = 64 they take three pipeline stages, the fastest tiles of the H100 sweep at d = 64
+    (notebooks/data/tune_h100.json, the GPU's time alone: 0.099 against 0.104 ms with two stages at T = 2K,
+    0.148 against 0.152 ms at 32K). d_v is cut into 64-column slices above d = 64 (two programs per (batch, head) and segment at
     d = 128, each reading all of Q and K), measured on an H100 with the segment count of
     :func:`~.la2_fast.choose_segments` (bf16, d = 128, 16 heads, 32K tokens per call; forward / backward ms):
     0.356 / 0.915 against 0.377 / 1.037 with d_v whole at T = 8K, 0.377 / 0.936 against 0.408 / 1.070 at 32K and
@@ -68,7 +70,7 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     forward / forward + backward ms): 0.291 / 1.079 against 0.320 / 1.261 at T = 2K (256 pairs), 0.302 / 1.123
     against 0.329 / 1.294 at T = 1K (512), while at T = 4K (128 pairs, where the slices fit) d_v whole took
     0.350 / 1.225 against 0.264 / 1.049. The same sweep found the other 16-bit tiles the fastest at d = 128,
-    T = 32K, and at d = 64 within 5 % of the fastest (3 stages instead of 2).
+    T = 32K.
 
     float32 takes 16-row blocks up to d = 128: its exact fp32 dots (``input_precision="ieee"``,
     :func:`~._tiles.dot_precision`) run on the FMA units, not the tensor cores, and every product of a larger
@@ -76,9 +78,14 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     forward + backward at 16 heads x 8K tokens; the first call, on (1, 4, 1024, d) in a fresh process):
     at d = 64, 16-row blocks and 4 warps took 1.42 ms against 15.3 ms with 64-row blocks and 8 warps
     (first call 6.1 against 8.2 s); at d = 128, 16-row blocks and 8 warps took 17.8 ms against 42.8 ms with
-    32-row blocks (first call 7.2 against 9.2 s; 4 warps took 31.7 ms), with one pipeline stage. The error
-    against float64 stayed at 3e-7. Above d = 128 float32 keeps 32-row blocks, 64-column slices, 8 warps and
-    two stages (not measured). In the interpreter float32 takes larger blocks (64 rows up to d = 64, 32 above):
+    32-row blocks (first call 7.2 against 9.2 s; 4 warps took 31.7 ms), with one pipeline stage and d_v whole.
+    The error against float64 stayed at 3e-7. Above d = 64 float32 cuts d_v into 64-column slices, whatever the
+    pair count: a 128 x 128 fp32 state on the FMA units is the spilling kind of tile. Measured on an H100 (d = 128,
+    16 heads, 32K tokens per call, the launchers timed by ``triton.testing.do_bench``; forward / forward + backward
+    ms): 5.08 / 19.2 against 15.5 / 70.4 with d_v whole at 1 x 32K (16 pairs), 4.54 / 18.2 against 15.3 / 70.0 at
+    8 x 4K (128 pairs), 4.53 / 18.2 against 30.0 / 118.8 at 16 x 2K (256 pairs); outputs and gradients within
+    3.5e-7 of each other. Above d = 128 float32 keeps 32-row blocks, 64-column slices, 8 warps and two stages (not
+    measured). In the interpreter float32 takes larger blocks (64 rows up to d = 64, 32 above):
     there a block's cost is per operation, not per element, and small blocks only mean more
     of them. ``block_size`` overrides the rows.
     Returns the keyword arguments of ``la2_fast_forward``/``la2_fast_backward``: block, block_dv,
@@ -91,14 +98,14 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
         if 64 < d <= 128 and batch_heads is not None and sms is not None and batch_heads > sms:
             return dict(block=block_size or 64, block_dv=128, num_warps=8, num_stages=3)  # 2 slices: over a wave
         return dict(block=block_size or (32 if d > 128 else 64), block_dv=64 if d > 64 else None, num_warps=4,
-                    num_stages=2)
+                    num_stages=3 if d <= 64 else 2)
     if d > 128:
         return dict(block=block_size or 32, block_dv=64, num_warps=8, num_stages=2)
     if interpreter:
         block = 64 if d <= 64 else 32
     else:
         block = 16
-    return dict(block=block_size or block, block_dv=None, num_warps=4 if d <= 64 else 8,
+    return dict(block=block_size or block, block_dv=64 if d > 64 else None, num_warps=4 if d <= 64 else 8,
                 num_stages=2 if d <= 64 else 1)
 
 

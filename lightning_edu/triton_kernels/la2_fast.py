@@ -483,14 +483,13 @@ def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: i
     return block, num_warps, num_stages
 
 
-def value_slices(batch_heads: int, d_v: int, block_dv: int | None, sm_count: int) -> tuple[int, int]:
+def value_slices(d_v: int, block_dv: int | None) -> tuple[int, int]:
     """(block_dv, slices): the columns of d_v each program of the forward kernel takes, and how many such slices
-    make d_v. ``block_dv`` None lets the grid decide: with enough (batch, head) programs to fill the chip, d_v is
-    cut into 64-column slices for more of them; with too few, d_v stays whole (Q, K read once) and segments supply
-    the parallelism (tile sweep, chapter 07). A slice never exceeds d_v padded to a power of two."""
-    if block_dv is None:
-        block_dv = 64 if batch_heads >= sm_count else 128
-    block_dv = min(pad_dim(d_v), block_dv)
+    make d_v. ``block_dv`` None means 64-column slices, what the backend's tiles take above d = 64 in every dtype
+    (:func:`~lightning_edu.triton_kernels.kernel_config`, with the measurements), except where it names d_v whole
+    for more (batch, head) pairs than SMs (16-bit), with the warps and stages that go with it. A slice never
+    exceeds d_v padded to a power of two."""
+    block_dv = min(pad_dim(d_v), block_dv or 64)
     return block_dv, cdiv(d_v, block_dv)
 
 
@@ -512,7 +511,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
     pad_k = pad_dim(d_k)
-    block_dv, slices = value_slices(batch * heads, d_v, block_dv, _sm_count(q.device))
+    block_dv, slices = value_slices(d_v, block_dv)
     num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len,
                                        short_blocks(q.device))
     o = output_like(v) if out is None else out  # for a view of a (batch, n, heads, d) projection: that layout

@@ -93,9 +93,9 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
     if sliced is not None:
         block_dv, num_stages, seg_len = sliced
         return {**cfg, "block_dv": block_dv, "num_stages": num_stages}, seg_len, 1
-    sms = sm_count(q.device)
-    _, slices = value_slices(batch * heads, d_v, cfg["block_dv"], sms)  # as la2_fast_forward will
-    num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sms, None, short_blocks(q.device))
+    _, slices = value_slices(d_v, cfg["block_dv"])  # as la2_fast_forward will
+    num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sm_count(q.device), None,
+                                       short_blocks(q.device))
     return cfg, seg_len, num_seg
 
 
