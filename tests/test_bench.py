@@ -203,13 +203,42 @@ def test_run_table_interleaves_every_shape_and_skips_past_max_T(monkeypatch):
     monkeypatch.setattr(bench, "_measure", measure)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     args = types.SimpleNamespace(D=[16], T=[64, 128], H=2, tokens=128, dtype="fp32", methods=["ours", "short"],
-                                 rounds=2, out=None)
+                                 rounds=2, out=None, backward_on_caller=False)
     data = bench.run_table(args)
     assert order == [("ours", 64), ("short", 64), ("short", 64), ("ours", 64), ("ours", 128), ("ours", 128)]
     assert [(r["method"], r["T"], r["batch"]) for r in data["results"]] == [("ours", 64, 2), ("short", 64, 2),
                                                                              ("ours", 128, 1)]
     assert data["rounds"] == 2 and data["results"][0]["fwd_ms_rounds"] == [1.0, 1.0]
     assert data["results"][0]["fwd_tokens_per_s"] == 128 / 1e-3
+
+
+def test_backward_on_caller_turns_autograds_device_thread_off_for_the_backward_only(monkeypatch):
+    def make(q, k, v, decay, do):
+        state = torch.autograd.is_multithreading_enabled
+        return (lambda: ("fwd", state())), (lambda: ("fwdbwd", state()))
+
+    fwd, fwdbwd = bench.backward_on_caller(make)(*[None] * 5)
+    assert fwd() == ("fwd", True) and fwdbwd() == ("fwdbwd", False)
+    assert torch.autograd.is_multithreading_enabled()  # restored after the call
+    # run_table: every method wrapped, and the record says so
+    seen = []
+    monkeypatch.setattr(bench, "METHODS", {"ours": bench.Method("ours", make)})
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(bench, "_correctness", lambda *a: 0.0)
+    monkeypatch.setattr(bench, "_inputs", lambda batch, heads, T, d, dtype: [torch.zeros(batch, heads, T, d)] * 4)
+
+    def measure(wrapped, *inputs):
+        fwd, fwdbwd = wrapped(*inputs)
+        seen.append((fwd()[1], fwdbwd()[1]))
+        return {"fwd_ms": 1.0, "fwdbwd_ms": 2.0}
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    for on_caller in (True, False):
+        args = types.SimpleNamespace(D=[16], T=[64], H=2, tokens=64, dtype="fp32", methods=["ours"], rounds=1,
+                                     out=None, backward_on_caller=on_caller)
+        data = bench.run_table(args)
+        assert seen.pop() == (True, not on_caller) and data.get("backward_on_caller", False) is on_caller
 
 
 @pytest.mark.parametrize("module", ["bench", "host", "first_call", "figure3", "tgs", "quality", "decode", "drift",

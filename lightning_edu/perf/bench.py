@@ -3,6 +3,7 @@
     python -m lightning_edu.perf.bench --out bench.json                   # the chapter 07-08 table
     python -m lightning_edu.perf.bench --tune --out tune.json             # tile sweep of the la2_fast kernels
     python -m lightning_edu.perf.bench --tiny --out tiny.json             # a tiny call's wall time, host included
+    python -m lightning_edu.perf.bench --backward-on-caller --out b.json  # the table, backward on the calling thread
 
 For every sequence length T and head dim D (H heads, bf16, T * batch = 32K tokens per call) and every
 method, it reports the forward and forward+backward time (median of ``triton.testing.do_bench``; with
@@ -35,7 +36,7 @@ from tqdm.auto import tqdm
 from .. import registry
 from .environment import environment_record
 
-__all__ = ["hbm_floor_bytes", "head_decays", "Method", "METHODS", "RECORDED_NAMES", "registry_methods", "method_name",
+__all__ = ["backward_on_caller", "hbm_floor_bytes", "head_decays", "Method", "METHODS", "RECORDED_NAMES", "registry_methods", "method_name",
            "with_current_names", "interleaved", "main"]
 
 
@@ -325,6 +326,25 @@ def _measure(make, q, k, v, decay, do, do_fwd=True, do_bwd=True):
     return row
 
 
+def backward_on_caller(make):
+    """``make`` with its forward + backward run inside ``torch.autograd.set_multithreading_enabled(False)``: autograd
+    runs the backward on the thread that calls ``backward()`` instead of handing it to its CUDA device thread and
+    waiting (``--backward-on-caller``, every method alike). The forward is unchanged."""
+
+    def wrapped(q, k, v, decay, do):
+        import torch
+
+        fwd, fwdbwd = make(q, k, v, decay, do)
+
+        def on_caller():
+            with torch.autograd.set_multithreading_enabled(False):
+                return fwdbwd()
+
+        return fwd, on_caller
+
+    return wrapped
+
+
 def interleaved(measures: dict, rounds: int) -> dict:
     """{name: row} from ``measures`` ({name: a function returning a row of timings}) called ``rounds`` times each,
     in rounds: round r calls every method once, starting at the r-th (rotated), so no method always runs first
@@ -380,6 +400,8 @@ def run_table(args) -> dict:
             available.pop(name, None)
     data["unavailable"] = errors
     data["rounds"] = args.rounds
+    if args.backward_on_caller:
+        data["backward_on_caller"] = True
     results = []
     for d, T in (bar := tqdm([(d, T) for d in args.D for T in args.T], desc="bench", unit="shape")):
         bar.set_postfix_str(f"T={T} D={d}")
@@ -387,7 +409,8 @@ def run_table(args) -> dict:
         q, k, v, do = _inputs(batch, args.H, T, d, dtype)
         decay = head_decays(args.H)
         names = [name for name in available if available[name].max_T is None or T <= available[name].max_T]
-        measures = {name: (lambda m=available[name]: _measure(m.make, q, k, v, decay, do)) for name in names}
+        wrap = backward_on_caller if args.backward_on_caller else (lambda make: make)
+        measures = {name: (lambda m=available[name]: _measure(wrap(m.make), q, k, v, decay, do)) for name in names}
         tokens = batch * T
         fwd_floor = hbm_floor_bytes(batch, T, args.H, d, q.element_size()) / bw * 1e3
         bwd_floor = hbm_floor_bytes(batch, T, args.H, d, q.element_size(), backward=True) / bw * 1e3
@@ -525,6 +548,8 @@ def main(argv=None) -> int:
                         help=f"any of: {' '.join(METHODS)} (or a recorded file's name: {' '.join(RECORDED_NAMES)})")
     parser.add_argument("--rounds", type=int, default=1,
                         help="interleaved rounds per shape: every method timed once per round, in a rotated order")
+    parser.add_argument("--backward-on-caller", action="store_true",
+                        help="run every method's backward on the calling thread (autograd's multithreading off)")
     parser.add_argument("--tune", action="store_true", help="sweep la2_fast tile sizes instead")
     parser.add_argument("--tiny", action="store_true",
                         help="wall time of a 1 x 4 x 256 forward+backward, host included, instead")

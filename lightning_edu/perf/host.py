@@ -6,7 +6,7 @@
 On a short sequence the kernels finish before the host has launched the next one, so the host's time per call
 is the call's time. Each row times the same forward + backward (bf16, 1 x 4 heads x T tokens, per-head decay
 as a CUDA tensor, gradients set to None after each call, as a training step does); rows 3-5 add one layer of
-the call at a time, the sixth is the public function:
+the call at a time, the sixth is the public function, the last two autograd's engine alone:
 
 1. ``kernels, Triton's launch``: row 2 with every kernel launched through Triton's ``kernel[grid]``
    (``_tiles.FAST_LAUNCH`` off), for the cost of Triton's launch-time work;
@@ -21,7 +21,11 @@ the call at a time, the sixth is the public function:
 6. ``lightning_attention``: the public function (validation, the decay's log2, the eager door of row 4);
 7. ``lightning_attention, backward on the caller``: row 6 with autograd's engine told to run the backward on the
    thread that calls ``backward()`` (``torch.autograd.set_multithreading_enabled(False)``) instead of handing it to
-   its CUDA device thread.
+   its CUDA device thread;
+8. ``hand-off alone``: no attention at all, an autograd Function whose forward copies a 16-element CUDA tensor and
+   whose backward returns the gradient it is given: what autograd's engine costs the host for one node on a
+   CUDA tensor, its hand-off to the device thread and back included;
+9. ``hand-off alone, backward on the caller``: row 8 with the backward on the calling thread, as in row 7.
 
 Host microseconds per call, the median and the minimum over interleaved rounds (each round runs every row
 ``calls`` times between two synchronisations, so drifts of the machine hit every row alike); and, for row 3,
@@ -44,7 +48,8 @@ import time
 __all__ = ["ROWS", "measure", "main"]
 
 ROWS = ("kernels, Triton's launch", "kernels, launchers' host code", "kernels", "autograd Function", "custom op",
-        "lightning_attention", "lightning_attention, backward on the caller")
+        "lightning_attention", "lightning_attention, backward on the caller", "hand-off alone",
+        "hand-off alone, backward on the caller")
 
 
 def _calls(d: int, T: int, heads: int = 4):
@@ -74,6 +79,26 @@ def _calls(d: int, T: int, heads: int = 4):
         with torch.autograd.set_multithreading_enabled(False):
             step(lightning_attention(*leaves, decay, backend="triton"))
 
+    class Copy(torch.autograd.Function):  # one node on a CUDA tensor, no work of its own
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    small = torch.zeros(16, device="cuda", requires_grad=True)
+    small_grad = torch.ones(16, device="cuda")
+
+    def hand_off():
+        Copy.apply(small).backward(small_grad)
+        small.grad = None
+
+    def hand_off_on_caller():
+        with torch.autograd.set_multithreading_enabled(False):
+            hand_off()
+
     def without(*switches):
         # kernels() with module switches, (module, name) pairs, turned off for the call and restored after it
         def run():
@@ -95,6 +120,8 @@ def _calls(d: int, T: int, heads: int = 4):
         "custom op": lambda: step(la2_forward(*leaves, l2, None, None, True)[0]),
         "lightning_attention": lambda: step(lightning_attention(*leaves, decay, backend="triton")),
         "lightning_attention, backward on the caller": on_caller,
+        "hand-off alone": hand_off,
+        "hand-off alone, backward on the caller": hand_off_on_caller,
     }
 
 
