@@ -417,7 +417,7 @@ def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: i
     on a short call the host's time is the call's time. On an H100 (bf16, d = 64, 1 x 4 heads x 256 tokens,
     forward + backward) one segment instead of four took 0.97 against 1.10 ms of host time per call
     (``lightning_attention``, measured before calls replayed their recorded launches, which brought it to
-    0.61 ms: notebooks/data/host_h100.json), while the GPU's time alone (the call replayed as a CUDA graph) went from 27 to
+    0.61 ms at commit f340466), while the GPU's time alone (the call replayed as a CUDA graph) went from 27 to
     36 us; at d = 128 from 44 to 57 us. The backend passes ``short`` = :data:`SHORT_BLOCKS` on a GPU.
     """
     if seg_len is None:

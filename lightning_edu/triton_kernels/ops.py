@@ -336,8 +336,8 @@ class EagerLA2(torch.autograd.Function):
     Why a second door to the same kernels. Through the dispatcher each custom-op call pays for its schema
     handling, the autograd wrapper that ``register_autograd`` installs, and the alias checks on its outputs;
     measured on an H100 machine's host (torch 2.11, ``python -m lightning_edu.perf.host``, notebooks/data/host_h100.json)
-    that came to 0.48 ms per forward + backward (1.10 against 0.62 ms, medians), when the replayed kernels of a short
-    sequence cost the host 0.20 ms and the GPU 0.11 ms.
+    that came to 0.69 ms per forward + backward (1.46 against 0.77 ms, medians), when the replayed kernels of a short
+    sequence cost the host 0.25 ms.
     :func:`~lightning_edu.triton_kernels.triton_attention` takes this door for plain tensors in eager mode, and
     the op under :func:`torch.compile` (which cannot trace a Triton launch inside a Function) and for tensor
     subclasses (fake, functional and meta tensors know the op, not this class).
