@@ -55,8 +55,8 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     notebooks/data/tune_h200.json): 64-row blocks, or 32-row blocks when a head dim exceeds 128. That sweep was
     bf16 only. Up to d = 64 they take three pipeline stages, the fastest tiles of the H100 sweep at d = 64
     (notebooks/data/tune_h100.json, the GPU's time alone: 0.099 against 0.104 ms with two stages at T = 2K,
-    0.148 against 0.152 ms at 32K). d_v is cut into 64-column slices above d = 64 (two programs per (batch, head) and segment at
-    d = 128, each reading all of Q and K), measured on an H100 with the segment count of
+    0.148 against 0.152 ms at 32K). d_v is cut into 64-column slices above d = 64 (two programs per (batch, head)
+    and segment at d = 128, each reading all of Q and K), measured on an H100 with the segment count of
     :func:`~.la2_fast.choose_segments` (bf16, d = 128, 16 heads, 32K tokens per call; forward / backward ms):
     0.356 / 0.915 against 0.377 / 1.037 with d_v whole at T = 8K, 0.377 / 0.936 against 0.408 / 1.070 at 32K and
     1.423 / 3.607 against 1.471 / 3.757 at 128K.
