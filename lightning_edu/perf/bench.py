@@ -402,6 +402,7 @@ def run_table(args) -> dict:
     data["rounds"] = args.rounds
     if args.backward_on_caller:
         data["backward_on_caller"] = True
+    wrap = backward_on_caller if args.backward_on_caller else (lambda make: make)
     results = []
     for d, T in (bar := tqdm([(d, T) for d in args.D for T in args.T], desc="bench", unit="shape")):
         bar.set_postfix_str(f"T={T} D={d}")
@@ -409,7 +410,6 @@ def run_table(args) -> dict:
         q, k, v, do = _inputs(batch, args.H, T, d, dtype)
         decay = head_decays(args.H)
         names = [name for name in available if available[name].max_T is None or T <= available[name].max_T]
-        wrap = backward_on_caller if args.backward_on_caller else (lambda make: make)
         measures = {name: (lambda m=available[name]: _measure(wrap(m.make), q, k, v, decay, do)) for name in names}
         tokens = batch * T
         fwd_floor = hbm_floor_bytes(batch, T, args.H, d, q.element_size()) / bw * 1e3

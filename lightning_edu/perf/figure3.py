@@ -13,6 +13,7 @@ import sys
 import torch
 
 from ..triton_kernels import VARIANTS, kernel_config, log2_decay_tensor
+from ..triton_kernels._tiles import sm_count
 from ..triton_kernels.la1 import la1_backward, la1_forward
 from ..triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
 from .bench import copy_bandwidth, head_decays
@@ -54,7 +55,7 @@ def figure3_benchmark(seq_lens=(1024, 2048, 4096, 8192, 16384, 32768, 65536, 131
 
     fast_fwd, fast_bwd = VARIANTS["la2_fast"]
     cfg = kernel_config(head_dim, head_dim, dtype, batch_heads=batch * heads,
-                        sms=torch.cuda.get_device_properties(0).multi_processor_count)  # the backend's tiles
+                        sms=sm_count(torch.device(dev)))  # the backend's tiles
     methods = {
         "la1": (lambda q, k, v: la1_forward(q, k, v, decay), lambda q, k, v, do: la1_backward(q, k, v, do, decay)),
         "la2_literal": (la2_fwd, la2_bwd),

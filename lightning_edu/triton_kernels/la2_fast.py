@@ -543,10 +543,11 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
 
 def backend_tiles(q, v, block=None, block_dv=None, num_warps=None, num_stages=None) -> tuple[int, int | None, int, int]:
     """(block, block_dv, num_warps, num_stages) for a launcher: each one given as given, each one left None as the
-    backend takes it for these head dims and q's dtype (:func:`~lightning_edu.triton_kernels.kernel_config`).
-    So a launcher called without tiles runs the kernels the backend runs, and reuses their compilations. (When
-    block, num_warps and num_stages are all given, as the backend gives them, nothing is looked up: block_dv None
-    then means what it means to the launcher, a slice chosen from the grid.)"""
+    backend takes it for this call (:func:`~lightning_edu.triton_kernels.tiles_for`: head dims, q's dtype, the
+    (batch, head) pairs and q's device). So a launcher called without tiles runs the kernels the backend runs, and
+    reuses their compilations. (When block, num_warps and num_stages are all given, as the backend gives them,
+    nothing is looked up: block_dv None then means what it means to the launcher, 64-column slices,
+    :func:`value_slices`.)"""
     if block is not None and num_warps is not None and num_stages is not None:
         return block, block_dv, num_warps, num_stages
     from . import tiles_for  # the package defines it before importing this module
