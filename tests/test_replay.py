@@ -3,10 +3,12 @@ one replays the launches recorded then, and gives the same bits as its launchers
 
 Plans are filed per test (tests/conftest.py clears them), so each test records its own first call."""
 
+import functools
 import math
 
 import pytest
 import torch
+import triton
 from kernel_cases import cases, kernel_inputs
 
 from lightning_edu.triton_kernels import _tiles, log2_decay_tensor, ops
@@ -138,8 +140,8 @@ def test_a_replay_allocates_each_buffer_just_before_the_launch_that_first_uses_i
     events = []
     real_empty = torch.empty_strided
     monkeypatch.setattr(torch, "empty_strided", lambda *a, **kw: events.append("allocate") or real_empty(*a, **kw))
-    plan.launches = [(lambda *args, run=run: events.append("launch") or run(*args), template)
-                     for run, template in plan.launches]
+    plan = _tiles.LaunchPlan(plan.buffers, [(lambda *args, run=run: events.append("launch") or run(*args), template)
+                                            for run, template in plan.launches], plan.outputs)
     a, b = plan.replay((x,))
     assert events == ["allocate", "launch", "allocate", "launch", "launch"]
     assert torch.equal(b, x * 6) and torch.equal(a, x * 30)
@@ -169,3 +171,74 @@ def test_record_plan_refuses_what_a_replay_could_not_reproduce(mistake):
 
     result, plan = _tiles.record_plan(launcher, (x,), x)
     assert plan is None
+
+
+class _Compiled:
+    """A compiled kernel stand-in: its launcher records what it is called with."""
+
+    def __init__(self, calls, name):
+        self.calls, self.function, self.packed_metadata = calls, f"function {name}", ("metadata", name)
+
+    def run(self, *args):
+        self.calls.append(args)
+
+    def launch_metadata(self, grid, stream, *args):
+        return ("launch metadata", grid, stream)
+
+
+@pytest.mark.parametrize("hooks", ["none", "empty chains", "a hook"])
+def test_a_plan_of_compiled_kernels_calls_their_launchers_as_triton_does(hooks, monkeypatch):
+    # The direct replay (every launch a compiled kernel's, no launch hook) hands each launcher what _run_compiled
+    # would, minus the launch metadata and hooks that call nothing; with a hook set, it goes through _run_compiled.
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device, raising=False)
+    if hooks == "empty chains":
+        if not hasattr(triton.knobs, "HookChain"):
+            pytest.skip("this Triton keeps its launch hooks as plain values")
+        enter, leave = triton.knobs.HookChain(), triton.knobs.HookChain(reversed=True)
+    else:
+        enter, leave = (lambda metadata: None) if hooks == "a hook" else None, None
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", enter)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", leave)
+    hook = hooks == "a hook"
+    calls = []
+    first, second = _Compiled(calls, "a"), _Compiled(calls, "b")
+    x, y = torch.arange(3.0), torch.arange(5.0)
+    launches = [(functools.partial(_tiles._run_compiled, first, (4,), ("rest", 7), 2), ((0, 0), (1, 0), (2, 9))),
+                (functools.partial(_tiles._run_compiled, second, (2, 3), (), 2), ((1, 0), (0, 1)))]
+    plan = _tiles.LaunchPlan([((3,), (1,), torch.float32, x.device)], launches, ((1, 0),))
+    assert plan._direct is not None
+    (buffer,) = plan.replay((x, y))
+    metadata = (("launch metadata", (4,), 1002), ("launch metadata", (2, 3), 1002)) if hook else (None, None)
+    enter, leave = (enter, leave) if hook else (None, None)
+    assert calls == [
+        (4, 1, 1, 1002, "function a", ("metadata", "a"), metadata[0], enter, leave, x, buffer, 9, "rest", 7),
+        (2, 3, 1, 1002, "function b", ("metadata", "b"), metadata[1], enter, leave, buffer, y),
+    ]
+
+
+def test_a_plan_with_any_other_launch_is_replayed_launch_by_launch():
+    x = torch.arange(4.0)
+
+    def launcher(x):
+        out = torch.empty_like(x)
+        _tiles.launch(_Writer(), (1,))(x, out, 3)
+        return out, None
+
+    _, plan = _tiles.record_plan(launcher, (x,), x)
+    assert plan is not None and plan._direct is None
+    assert torch.equal(plan.replay((x,))[0], x * 3)
+
+
+@cases("shape,dtype", {"cpu": [((1, 2, 77, 16, 32), torch.float32)],
+                       "cuda": [((1, 4, 1000, 64, 64), torch.bfloat16), ((1, 2, 300, 128, 128), torch.float32)]})
+def test_a_backward_asked_for_no_initial_state_gradient_allocates_no_state_for_it(device, shape, dtype):
+    # The dQ pass's final state, and the reverse sweep's last state when no dL/dS0 is asked for, are never read:
+    # neither is allocated (nor stored). The plan lists every buffer the backward allocated.
+    q, k, v, do, l2 = _inputs(shape, dtype, device)
+    _call(q, k, v, do, l2)
+    (plan,) = ops._BACKWARD_PLANS.values()
+    batch, heads, _, d_k, d_v = shape
+    assert plan is not None and len(plan.buffers) >= 4  # dq, dk, dv and the exact pass's flags at least
+    assert (batch, heads, d_k, d_v) not in [buffer[0] for buffer in plan.buffers]
+    _, _, _, ds0 = ops.backward_impl(q, k, v, do, l2, None, None, ops.forward_impl(q, k, v, l2, None, None, True)[2])
+    assert ds0.shape == (batch, heads, d_k, d_v)  # asked for, it is there

@@ -494,7 +494,8 @@ def value_slices(d_v: int, block_dv: int | None) -> tuple[int, int]:
 
 
 def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, num_warps, num_stages, seg_len,
-                  local_states=None, incoming=None, store_incoming=False, out=None, seg_t=False):
+                  local_states=None, incoming=None, store_incoming=False, out=None, seg_t=False,
+                  final_state=True):
     """o_p = q_p sum_{p'<=p} lambda^(p-p') k_p'^T v_p' (+ lambda^(p+1) q_p S0) in processing order p, written into
     ``out`` when given (v's shape, from :func:`output_like`), else into ``output_like(v)``.
 
@@ -504,6 +505,8 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     segment's incoming state (else None). With
     ``incoming`` given (an earlier pass's saved states, same seg_len), no pre-pass and no Horner loop run.
     ``seg_t``: the given ``local_states`` or ``incoming`` are another pass's, transposed (read in place).
+    ``final_state`` False: no final state is stored, nor allocated (None in its place; the dQ pass has no use for
+    one).
     """
     import torch
 
@@ -515,7 +518,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len,
                                        short_blocks(q.device))
     o = output_like(v) if out is None else out  # for a view of a (batch, n, heads, d) projection: that layout
-    sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
+    sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32) if final_state else None
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=dot_precision(q))
     seg = incoming if incoming is not None else local_states
     if seg is None:
@@ -523,17 +526,20 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
         segment_states(k, v, log2_decay, seg, seg_len, block, block_dv, num_warps, num_stages, reverse)
     # With one segment the dQ pass has no pre-pass to skip (and saving cost 3 % at T = 2K on an H200).
     store_incoming = store_incoming and num_seg > 1
-    inc = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32) if store_incoming else sn
-    s0 = initial_state if initial_state is not None else sn
+    # A pointer the kernel never follows (its STORE_ / HAS_ flag off) is handed some float32 tensor of this call.
+    unused = sn if final_state else seg
+    inc = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32) if store_incoming else unused
+    s0 = initial_state if initial_state is not None else unused
     grid = (batch * heads, num_seg, slices)
     programs = batch * heads * num_seg * slices
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
-    args = (q, k, v, o, s0, sn, seg, inc, flags, log2_decay, n, heads, seg_len, programs, *_strides(q, k, v, o))
+    args = (q, k, v, o, s0, unused if sn is None else sn, seg, inc, flags, log2_decay, n, heads, seg_len, programs,
+            *_strides(q, k, v, o))
     meta.update(HAS_S0=initial_state is not None, SEG_IS_INCOMING=incoming is not None, num_warps=num_warps,
                 num_stages=num_stages, CONTIGUOUS=all(x.is_contiguous() for x in (q, k, v, o)),
                 SEG_T=seg_t and (incoming is not None or local_states is not None))
     # The fast pass flags programs whose state ended non-finite; the exact pass redoes only those (_tiles).
-    launch(_la2_fast_forward_kernel, grid)(*args, **meta, STORE_SN=True, STORE_INC=store_incoming)
+    launch(_la2_fast_forward_kernel, grid)(*args, **meta, STORE_SN=final_state, STORE_INC=store_incoming)
     safe_grid, scan = exact_pass_grid(programs, q.device)
     launch(_la2_fast_forward_kernel, safe_grid)(*args, **meta, STORE_SN=False, STORE_INC=False, SAFE=True,
                                                 SCAN=scan)
@@ -618,11 +624,13 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     else:
         cfg = (block, block_dv, num_warps, num_stages)
         # state sum q^T do = dKV; each gradient laid out as its input (output_like)
-        dv, x_end, aux = _forward_form(k, q, do, log2_decay, None, True, *cfg, seg_len, out=output_like(v))
+        dv, x_end, aux = _forward_form(k, q, do, log2_decay, None, True, *cfg, seg_len, out=output_like(v),
+                                       final_state=d_initial_state)
         one_segment = aux["local"].shape[1] == 1  # then there are no segment states to share
         # dK's segment states are dV's, transposed: read in place (seg_t)
         dk, _, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg, aux["seg_len"],
-                                 local_states=None if one_segment else aux["local"], seg_t=True, out=output_like(k))
+                                 local_states=None if one_segment else aux["local"], seg_t=True, out=output_like(k),
+                                 final_state=False)
     return finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_initial_state)
 
 
@@ -633,8 +641,8 @@ def dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, 
     cfg = (block, block_dv, num_warps, num_stages)
     if saved is not None and saved[1] is not None:  # KV at each segment start: dQ's states are KV^T (seg_t)
         return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, saved[0], incoming=saved[1], seg_t=True,
-                             out=output_like(q))[0]
-    return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, out=output_like(q))[0]
+                             out=output_like(q), final_state=False)[0]
+    return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, out=output_like(q), final_state=False)[0]
 
 
 def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_initial_state: bool = True):
