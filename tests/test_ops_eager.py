@@ -3,6 +3,7 @@ Function eager calls take (:class:`lightning_edu.triton_kernels.ops.EagerLA2`); 
 tensor; and, for every hand-written backward (both triton doors, LA-1, the torch backend), a second derivative
 that raises instead of coming back without the attention's term. (CPU: the kernels run in Triton's interpreter.)"""
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,6 +85,18 @@ def test_log2_of_a_decay_buffer_is_computed_once_per_version():
     with torch.inference_mode():
         frozen = torch.tensor([0.5, 0.5])
     assert torch.equal(log2_decay_tensor(frozen, "cpu"), torch.tensor([-1.0, -1.0]))
+
+
+def test_log2_of_host_lambdas_is_cached_by_value():
+    lam = np.array([0.5, 0.25])
+    first = log2_decay_tensor(lam, "cpu")
+    assert torch.equal(first, torch.tensor([-1.0, -2.0]))
+    assert log2_decay_tensor(np.array([0.5, 0.25]), "cpu") is first  # equal values, another array: one entry
+    assert log2_decay_tensor([0.5, 0.25], "cpu") is not first  # a list is keyed by its values, apart
+    assert torch.equal(log2_decay_tensor([0.5, 0.25], "cpu"), first)
+    lam[1] = 0.125  # an array changed in place is looked up by its new values, never served the old ones
+    assert torch.equal(log2_decay_tensor(lam, "cpu"), torch.tensor([-1.0, -3.0]))
+    assert torch.equal(log2_decay_tensor(np.array([0.5, 0.25], dtype=np.float32), "cpu"), first)
 
 
 _COMPILE_FIRST = r"""

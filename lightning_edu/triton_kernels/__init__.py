@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 import weakref
 
+import numpy as np
+
 import torch
 
 from ..validation import device_decay
@@ -182,12 +184,14 @@ def log2_decay_tensor(decay, device) -> torch.Tensor:
         out = _log2_of_tensor(decay, device)
         _LOG2_OF_TENSOR[key] = (weakref.ref(decay), out)
         return out
-    values = tuple(math.log2(float(x)) for x in decay)
-    key = (torch.device(device), values)
+    # What validation hands over, a float64 array, is looked up by its bytes (one call), not value by value.
+    exact = isinstance(decay, np.ndarray) and decay.dtype == np.float64
+    key = (torch.device(device), decay.tobytes() if exact else tuple(float(x) for x in decay))
     cached = _LOG2_DECAY.get(key)
     if cached is None:
         if len(_LOG2_DECAY) >= 256:  # a model has a few decay vectors; a sweep over many starts again
             _LOG2_DECAY.clear()
+        values = [math.log2(float(x)) for x in decay]
         cached = _LOG2_DECAY[key] = torch.tensor(values, dtype=torch.float32, device=device)
     return cached
 
