@@ -184,15 +184,16 @@ def log2_decay_tensor(decay, device) -> torch.Tensor:
         out = _log2_of_tensor(decay, device)
         _LOG2_OF_TENSOR[key] = (weakref.ref(decay), out)
         return out
-    # What validation hands over, a float64 array, is looked up by its bytes (one call), not value by value.
-    exact = isinstance(decay, np.ndarray) and decay.dtype == np.float64
-    key = (torch.device(device), decay.tobytes() if exact else tuple(float(x) for x in decay))
+    # Looked up by the bytes of the lambdas as float64 (for what validation hands over, a float64 array, that is
+    # one call), not value by value in Python.
+    values = np.asarray(decay, dtype=np.float64)
+    key = (torch.device(device), values.tobytes())
     cached = _LOG2_DECAY.get(key)
     if cached is None:
         if len(_LOG2_DECAY) >= 256:  # a model has a few decay vectors; a sweep over many starts again
             _LOG2_DECAY.clear()
-        values = [math.log2(float(x)) for x in decay]
-        cached = _LOG2_DECAY[key] = torch.tensor(values, dtype=torch.float32, device=device)
+        log2 = [math.log2(x) for x in values.tolist()]
+        cached = _LOG2_DECAY[key] = torch.tensor(log2, dtype=torch.float32, device=device)
     return cached
 
 

@@ -624,8 +624,7 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     else:
         cfg = (block, block_dv, num_warps, num_stages)
         # state sum q^T do = dKV; each gradient laid out as its input (output_like)
-        dv, x_end, aux = _forward_form(k, q, do, log2_decay, None, True, *cfg, seg_len, out=output_like(v),
-                                       final_state=d_initial_state)
+        dv, x_end, aux = _forward_form(k, q, do, log2_decay, None, True, *cfg, seg_len, out=output_like(v))
         one_segment = aux["local"].shape[1] == 1  # then there are no segment states to share
         # dK's segment states are dV's, transposed: read in place (seg_t)
         dk, _, _ = _forward_form(v, do, q, log2_decay, None, True, *cfg, aux["seg_len"],

@@ -202,10 +202,9 @@ def _la3_dkdv_kernel(
 
 
 def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warps: int = 4, num_stages: int = 1,
-             seg_len: int | None = None, final_state: bool = True):
+             seg_len: int | None = None):
     """dK, dV and the reverse sweep's last state x_end = sum_t lambda^t q_t^T do_t (fp32), by the micro-chunk
-    kernel (``final_state`` False: x_end is neither stored nor allocated, None in its place). ``chunk`` is a
-    multiple of ``micro``; both are powers of two >= 16 (tl.dot's smallest tile)."""
+    kernel. ``chunk`` is a multiple of ``micro``; both are powers of two >= 16 (tl.dot's smallest tile)."""
     import torch
 
     for name, value in (("chunk", chunk), ("micro", micro)):
@@ -228,17 +227,16 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
         seg_len = cdiv(seg_len, chunk) * chunk
     num_seg, seg_len = choose_segments(batch * heads, n, chunk, sm_count(q.device), seg_len, short_blocks(q.device))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32) if final_state else None
+    x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
     precision = dot_precision(q)
     segment_states(q, do, log2_decay, seg, seg_len, chunk, min(pad_v, 64), 4, 2, reverse=True)
     programs = batch * heads * num_seg
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
-    # without x_end, the kernel is handed seg for it: a pointer it never follows (STORE_XN off)
-    args = (q, k, v, do, dk, dv, seg if x_end is None else x_end, seg, flags, log2_decay, n, heads, seg_len, programs)
+    args = (q, k, v, do, dk, dv, x_end, seg, flags, log2_decay, n, heads, seg_len, programs)
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, PAD_V=pad_v, CHUNK=chunk, MICRO=micro, PRECISION=precision,
                 num_warps=num_warps, num_stages=num_stages)
-    launch(_la3_dkdv_kernel, (batch * heads, num_seg))(*args, **meta, STORE_XN=final_state)
+    launch(_la3_dkdv_kernel, (batch * heads, num_seg))(*args, **meta, STORE_XN=True)
     safe_grid, scan = exact_pass_grid(programs, q.device)
     launch(_la3_dkdv_kernel, safe_grid)(*args, **meta, STORE_XN=False, SAFE=True, SCAN=scan)
     return in_layout_of(dk, like[0]), in_layout_of(dv, like[1]), x_end
@@ -267,5 +265,5 @@ def la3_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None
     tiles = la3_tiles(q.dtype, max(q.shape[-1], v.shape[-1]))
     tiles.update({key: val for key, val in (("chunk", chunk), ("micro", micro), ("num_warps", dkdv_warps),
                                               ("num_stages", dkdv_stages)) if val is not None})
-    dk, dv, x_end = la3_dkdv(q, k, v, do, log2_decay, **tiles, seg_len=seg_len, final_state=d_initial_state)
+    dk, dv, x_end = la3_dkdv(q, k, v, do, log2_decay, **tiles, seg_len=seg_len)
     return finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_initial_state)
