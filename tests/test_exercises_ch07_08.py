@@ -11,7 +11,7 @@ import triton.language as tl
 
 from lightning_edu.exercises import ExerciseError
 from lightning_edu.exercises.ch07 import check_decay_tile, check_inter_block_kernel, check_value_slice
-from lightning_edu.exercises.ch08 import check_la1_dq_kernel, check_reverse_sweep_kernel
+from lightning_edu.exercises.ch08 import check_la1_dq_kernel, check_replay, check_reverse_sweep_kernel
 
 
 class _with:
@@ -321,3 +321,75 @@ def test_value_slice_solution_passes(capsys):
 def test_value_slice_mistakes(answer, message):
     with pytest.raises(ExerciseError, match=message):
         check_value_slice(answer)
+
+
+# Exercise 8.3, plain Python: replay a recorded plan (stand-in kernels check what they are handed).
+def replay(buffers, launches, outputs, inputs, allocate):  # the model answer, as in the notebook
+    bufs = []
+
+    def value(kind, x):
+        return (inputs, bufs)[kind][x] if kind < 2 else x
+
+    for run, template in launches:
+        last = max([len(bufs) - 1, *(x for kind, x in template if kind == 1)])
+        while len(bufs) <= last:
+            bufs.append(allocate(*buffers[len(bufs)]))
+        run(*[value(kind, x) for kind, x in template])
+    return tuple(value(kind, x) for kind, x in outputs)
+
+
+def test_replay_solution_passes(capsys):
+    check_replay(replay)
+    check_replay(replay, seed=None)
+    check_replay(replay, seed=4321)
+    assert capsys.readouterr().out.count("Correct: replay allocates each buffer just before the launch") == 3
+
+
+def _all_up_front(buffers, launches, outputs, inputs, allocate):
+    bufs = [allocate(*entry) for entry in buffers]
+    for run, template in launches:
+        run(*[(inputs, bufs)[kind][x] if kind < 2 else x for kind, x in template])
+    return tuple((inputs, bufs)[kind][x] if kind < 2 else x for kind, x in outputs)
+
+
+def _per_use(buffers, launches, outputs, inputs, allocate):
+    for run, template in launches:
+        run(*[inputs[x] if kind == 0 else allocate(*buffers[x]) if kind == 1 else x for kind, x in template])
+
+
+def _raw(buffers, launches, outputs, inputs, allocate):
+    bufs = []
+    for run, template in launches:
+        while len(bufs) <= max([len(bufs) - 1, *(x for kind, x in template if kind == 1)]):
+            bufs.append(allocate(*buffers[len(bufs)]))
+        run(*[(inputs, bufs)[kind][x] if kind < 2 else (kind, x) for kind, x in template])
+
+
+_KEPT: list = []
+
+
+def _buffers_kept(buffers, launches, outputs, inputs, allocate):
+    bufs = _KEPT  # one set of buffers for every call
+    for run, template in launches:
+        while len(bufs) <= max([len(bufs) - 1, *(x for kind, x in template if kind == 1)]):
+            bufs.append(allocate(*buffers[len(bufs)]))
+        run(*[(inputs, bufs)[kind][x] if kind < 2 else x for kind, x in template])
+    return tuple((inputs, bufs)[kind][x] if kind < 2 else x for kind, x in outputs)
+
+
+@pytest.mark.parametrize("answer, message", [
+    (_all_up_front, r"allocated buffer 1 before launch 0, which does not use it: allocate each buffer just before"),
+    (_per_use, r"asked allocate for buffer 0's entry a second time in one replay"),
+    (_raw, r"launch 0's argument 2 is \(2, 3\.0\); its template entry \(2, 3\.0\) stands for the value 3\.0 itself"),
+    (_buffers_kept, r"launch 0 names buffer 0, which this replay had not allocated before it ran"),
+    (lambda *args: list(replay(*args)), r"replay returned \[tensor.*return a tuple with one entry per entry of outputs"),
+    (lambda b, l, o, i, a: replay(b, l, o, i[::-1], a), r"launch 0's argument 0 is tensor.*stands for input 0"),
+    (lambda b, l, o, i, a: replay(b, l, o, i, lambda shape, stride, dtype: a(shape, stride[::-1], dtype)),
+     r"allocate was called with \(\(2, 3\), \(2, 1\), torch\.float64\), which is no buffer's entry"),
+    (lambda *args: tuple(x.clone() if x is not None else x for x in replay(*args)),
+     r"output 0 is tensor.*stands for buffer 1, the tensor this replay allocated"),
+])
+def test_replay_mistakes(answer, message):
+    _KEPT.clear()
+    with pytest.raises(ExerciseError, match=message):
+        check_replay(answer)

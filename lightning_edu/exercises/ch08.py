@@ -12,11 +12,11 @@ import numpy as np
 
 from ..checks import random_qkv
 from ..numpy_blockwise import blockwise_backward
-from ._core import ExerciseError, exercise, expect_shape, passed, wrong_rows
+from ._core import ExerciseError, _short, call_reader, exercise, expect_shape, passed, seeded, wrong_rows
 from .ch05 import _sweep
 from .ch07 import _device, _launch_error, tolerance
 
-__all__ = ["check_reverse_sweep_kernel", "check_la1_dq_kernel"]
+__all__ = ["check_reverse_sweep_kernel", "check_la1_dq_kernel", "check_replay"]
 
 _SHAPES = [  # (batch, heads, n, d_k, d_v, decays)
     (1, 2, 53, 16, 32, [0.9, 0.5]),
@@ -159,3 +159,125 @@ def check_la1_dq_kernel(dq_kernel, block: int = 16, seed: int = 0) -> None:
         raise ExerciseError(f"{where}: {hint}")
     passed(f"dq_kernel matches LA-1's dQ (numpy Algorithm 2, float64) on {len(_LA1_SHAPES)} shapes with partial "
                   "last blocks and per-head decay")
+
+
+# ------------------------------------------------------------------------------------------ exercise 8.3
+
+def _plan(factors=(3.0, 0.5)):
+    """(buffers, launches, outputs): three stand-in kernels on two inputs, each writing its output tensor in place as
+    a kernel does (defined here, not in the module, so that the exercise's guard, which switches the package's
+    functions off while the reader's code runs, leaves them alone). Buffer 1 is first used by the second launch,
+    buffer 2 by the third; buffers 1 and 2 are float64, and buffer 2 is laid out column-major (stride (1, 2))."""
+    import torch
+
+    def scale(x, out, factor):
+        out.copy_(x * factor)
+
+    def add(a, b, out):
+        out.copy_(a + b)
+
+    def outer(a, out, factor):
+        out.copy_(factor * a[: out.shape[0], None] * a[None, : out.shape[1]])
+
+    buffers = [((4,), (1,), torch.float32), ((4,), (1,), torch.float64), ((2, 3), (1, 2), torch.float64)]
+    launches = [(scale, ((0, 0), (1, 0), (2, factors[0]))),
+                (add, ((1, 0), (0, 1), (1, 1))),
+                (outer, ((1, 1), (1, 2), (2, factors[1])))]
+    outputs = ((1, 1), (1, 2), (2, None))
+    return buffers, launches, outputs
+
+
+def _expected_order(launches) -> list:
+    """What a replay must do, in order: buffer b allocated just before the first launch whose template names it."""
+    order, seen = [], set()
+    for i, (_, template) in enumerate(launches):
+        for kind, x in template:
+            if kind == 1 and x not in seen:
+                seen.add(x)
+                order.append(("allocate", x))
+        order.append(("launch", i))
+    return order
+
+
+@exercise("8.3", reveals=("replay",))
+def check_replay(replay, seed: int = 0) -> None:
+    """``replay(buffers, launches, outputs, inputs, allocate)`` must run a recorded plan on new inputs: allocate each
+    buffer with ``allocate(shape, stride, dtype)`` just before the first launch that uses it, call each launch's
+    ``run`` with its template resolved ((0, i): the i-th input, (1, b): buffer b, (2, value): the value), and return
+    the tuple that ``outputs`` describes, resolved the same way."""
+    import torch
+
+    rng = seeded(90 + seed)
+    factors = (3.0, 0.5) if not seed else tuple(float(x) for x in rng.uniform(-2, 2, size=2))
+    buffers, launches, outputs = _plan(factors)
+    order = _expected_order(launches)
+
+    # Called while the reader's code runs, so defined here: the guard switches off the module's functions then.
+    def same_entry(kind: int, got, want) -> bool:
+        """A tensor entry must be the very tensor (an input, or this replay's buffer); a value, the value itself."""
+        if kind < 2 or want is None:
+            return got is want
+        return type(got) is type(want) and got == want
+
+    for call in range(2):  # twice: a second replay allocates afresh
+        inputs = tuple(torch.tensor(rng.standard_normal(4), dtype=torch.float32) for _ in range(2))
+        events, allocated = [], {}
+
+        def allocate(shape, stride, dtype):
+            spec = (tuple(shape), tuple(stride), dtype) if isinstance(shape, (tuple, list, torch.Size)) else None
+            if spec not in buffers:
+                raise ExerciseError(f"allocate was called with ({_short(shape)}, {_short(stride)}, {_short(dtype)}), "
+                                    "which is no buffer's entry of the plan: pass each entry's shape, stride and "
+                                    "dtype as it is")
+            b = len(allocated)  # buffers are numbered in the order of first use: the next one due
+            if b >= len(buffers) or spec != buffers[b]:
+                again = buffers.index(spec)
+                raise ExerciseError(f"replay asked allocate for buffer {again}'s entry a second time in one replay: "
+                                    "allocate each buffer once, just before the first launch that names it; every "
+                                    "later launch that names it uses that same tensor")
+            due = order[len(events)] if len(events) < len(order) else None
+            if due is not None and due[0] == "launch":
+                raise ExerciseError(f"replay allocated buffer {b} before launch {due[1]}, which does not use it: "
+                                    "allocate each buffer just before the first launch that needs it, so that on a "
+                                    "call bound by the host the first kernel is on its way while the rest are allocated")
+            events.append(("allocate", b))
+            allocated[b] = torch.full(spec[0], float("nan"), dtype=dtype).as_strided(spec[0], spec[1])
+            return allocated[b]
+
+        def watched(i, run, template):
+            def launch(*args):
+                if ("launch", i) in events:
+                    raise ExerciseError(f"replay ran launch {i} twice: each launch runs once per replay")
+                if len(args) != len(template):
+                    raise ExerciseError(f"launch {i} was called with {len(args)} arguments, its template has "
+                                        f"{len(template)}: one argument per template entry, in order")
+                for j, ((kind, x), arg) in enumerate(zip(template, args)):
+                    if kind == 1 and x not in allocated:
+                        raise ExerciseError(f"launch {i} names buffer {x}, which this replay had not allocated "
+                                            "before it ran: each replay allocates its buffers afresh, with allocate")
+                    want = (inputs[x] if kind == 0 else allocated[x]) if kind < 2 else x
+                    if not same_entry(kind, arg, want):
+                        what = {0: f"input {x}", 1: f"buffer {x}, the tensor allocated for it in this replay",
+                                2: f"the value {x!r} itself"}[kind]
+                        raise ExerciseError(f"launch {i}'s argument {j} is {_short(arg)}; its template entry "
+                                            f"{(kind, x)!r} stands for {what}")
+                events.append(("launch", i))
+                return run(*args)
+            return launch
+
+        plan = [(watched(i, run, template), template) for i, (run, template) in enumerate(launches)]
+        got = call_reader(replay, "replay", (buffers, plan, outputs, inputs, allocate), "on a three-launch plan")
+        if events != order:
+            done = ", ".join(f"{what} {b}" for what, b in events) or "nothing"
+            raise ExerciseError(f"replay did {done}; a replay of this plan does {', '.join(f'{w} {b}' for w, b in order)}")
+        if not isinstance(got, tuple) or len(got) != len(outputs):
+            raise ExerciseError(f"replay returned {_short(got)}: return a tuple with one entry per entry of outputs "
+                                f"({len(outputs)} here: buffer 1, buffer 2 and the value None)")
+        for j, ((kind, x), out) in enumerate(zip(outputs, got)):
+            want = (inputs[x] if kind == 0 else allocated[x]) if kind < 2 else x
+            if not same_entry(kind, out, want):
+                raise ExerciseError(f"output {j} is {_short(out)}; its entry {(kind, x)!r} stands for "
+                                    + (f"buffer {x}, the tensor this replay allocated and the launches wrote" if kind == 1
+                                       else f"the value {x!r} itself"))
+    passed("replay allocates each buffer just before the launch that first uses it, hands every launch its inputs, "
+           "buffers and values, and returns fresh outputs on every call")
