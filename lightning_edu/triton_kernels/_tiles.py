@@ -238,25 +238,27 @@ class LaunchPlan:
             count = max([count, *(x + 1 for kind, x in template if kind == 1)])
             self.before.append(count)
         # A replay works in one list, its pool: a slot per buffer, then every value the launches pass, then the
-        # call's inputs. Each launch's arguments are picked from the pool by one operator.itemgetter (C code)
-        # instead of a comprehension over its template: on an H100 machine's host that Python cost 5 to 10 us a
-        # launch.
+        # call's inputs. Each launch's arguments are picked from the pool by one operator.itemgetter (C code),
+        # not rebuilt by a Python loop over its template (a dozen to two dozen entries a launch).
         direct = _direct_launches(launches)
         values: list = []
 
-        def index(kind, x):
+        def slot(kind, x):  # a pool index; an input's is negative until the values are counted
             if kind == 1:
                 return x
             if kind == 2:
                 values.append(x)
                 return len(buffers) + len(values) - 1
-            return ("input", x)
+            return -1 - x
 
-        picks = [[index(kind, x) for kind, x in template] for _, template in launches]
-        rests = [[index(2, x) for x in rest] for *_, rest in direct[1]] if direct is not None else None
-        out = [index(kind, x) for kind, x in outputs]
+        picks = [[slot(kind, x) for kind, x in template] for _, template in launches]
+        rests = [[slot(2, x) for x in rest] for *_, rest in direct[1]] if direct is not None else None
+        out = [slot(kind, x) for kind, x in outputs]
         first_input = len(buffers) + len(values)
-        place = lambda ix: [first_input + i[1] if isinstance(i, tuple) else i for i in ix]  # noqa: E731
+
+        def place(slots):
+            return [first_input - 1 - i if i < 0 else i for i in slots]
+
         self._blank = (None,) * len(buffers) + tuple(values)
         self._steps = []
         for n, ((runner, _), ix) in enumerate(zip(launches, picks)):
