@@ -34,7 +34,6 @@ import math
 import weakref
 
 import numpy as np
-
 import torch
 
 from ..validation import device_decay
