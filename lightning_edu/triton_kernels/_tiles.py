@@ -177,9 +177,14 @@ def _run_compiled(compiled, grid, rest, device: int, *args):
     launch metadata and Triton's launch hooks (profilers use them)."""
     runtime = triton.knobs.runtime
     stream = torch._C._cuda_getCurrentRawStream(device)
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *args, *rest),
-                 runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *rest)
+    compiled.run(*_grid3(grid), stream, compiled.function, compiled.packed_metadata,
+                 compiled.launch_metadata(grid, stream, *args, *rest), runtime.launch_enter_hook,
+                 runtime.launch_exit_hook, *args, *rest)
+
+
+def _grid3(grid) -> tuple:
+    """A grid of one to three dimensions as the three a launcher takes, the missing ones 1."""
+    return (*grid, 1, 1)[:3]
 
 
 _RECORDER = contextvars.ContextVar("lightning_edu_launch_recorder", default=None)
@@ -317,8 +322,7 @@ def _direct_launches(launches) -> tuple | None:
         if not (isinstance(runner, functools.partial) and runner.func is _run_compiled and not runner.keywords):
             return None
         compiled, grid, rest, device = runner.args
-        grid = (*grid, 1, 1)[:3]
-        calls.append((compiled.run, *grid, compiled.function, compiled.packed_metadata, rest))
+        calls.append((compiled.run, *_grid3(grid), compiled.function, compiled.packed_metadata, rest))
         devices.add(device)
     return (devices.pop(), tuple(calls)) if len(devices) == 1 else None
 
