@@ -78,17 +78,28 @@ def _segment_state_kernel(
     offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
     k_ok = offs_k < D_K
     v_ok = offs_v < D_V
-    kv = tl.zeros((PAD_K, BLOCK_DV), dtype=tl.float32)
     start = seg * seg_len
+    kv = _local_state(K, V, start, start + seg_len, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, skn, svn,
+                      PAD_K, BLOCK_DV, BLOCK, REVERSE, PRECISION)
+    tl.store(SEG + seg * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], kv, mask=k_ok[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def _local_state(K, V, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, skn: tl.constexpr,
+                 svn: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
+                 REVERSE: tl.constexpr, PRECISION: tl.constexpr):
+    """sum over positions p in [start, end) of lambda^(end-1-p) k_p^T v_p, from zero: a segment's local state.
+    [start, end) is whole blocks (segments before the last are). K and V point at one head."""
+    kv = tl.zeros((PAD_K, BLOCK_DV), dtype=tl.float32)
     block_decay = tl.exp2(log2_lam * BLOCK)
     k_scale = tl.exp2(log2_lam * (BLOCK - 1 - offs_r).to(tl.float32))
-    for blk in range(start, start + seg_len, BLOCK):  # segments before the last are whole blocks
+    for blk in range(start, end, BLOCK):
         rows = _row_offsets(blk + offs_r, n, REVERSE)
         k = tl.load(K + rows[:, None] * skn + offs_k[None, :], mask=k_ok[None, :], other=0.0)
         v = tl.load(V + rows[:, None] * svn + offs_v[None, :], mask=v_ok[None, :], other=0.0)
         ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
         kv = kv * block_decay + tl.dot(tl.trans(ks), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
-    tl.store(SEG + seg * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], kv, mask=k_ok[:, None] & v_ok[None, :])
+    return kv
 
 
 @triton.jit
