@@ -98,3 +98,29 @@ def test_one_pass_forward_refuses_bad_segment_lengths_and_interpreted_bf16(devic
             lookback_forward(q, k, v, l2, seg_len=seg_len, block=16)
     with pytest.raises(TypeError, match="bfloat16"):
         lookback_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), l2, block=16)
+
+
+def test_lookback_record_covers_every_shape_and_way():
+    # The committed H100 record (chapter 07) was made by perf.lookback as it stands: every shape, every
+    # segment length in both ways, and the profiled forwards its child names.
+    import json
+    from pathlib import Path
+
+    from lightning_edu.perf import lookback as perf_lookback
+
+    record = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "data" / "lookback_h100.json").read_text())
+    assert [(r["d"], r["T"]) for r in record["results"]] == list(perf_lookback.SHAPES)
+    for row in record["results"]:
+        assert sorted((x["seg_len"], x["lookback"]) for x in row["variants"]) == sorted(
+            (s, lb) for s in perf_lookback.SEG_LENS for lb in MODES)
+    ways = {f"{'look-back' if lb else 'chained'} {s}" for s in perf_lookback.NCU_SEG_LENS for lb in MODES}
+    for shape in record["ncu"]:
+        assert {x["pass"] for x in shape["launches"]} == ways | {"two-pass"}
+
+
+def test_lookback_measurement_refuses_bad_command_lines(capsys):
+    from lightning_edu.perf import lookback as perf_lookback
+
+    assert perf_lookback.main(["--help"]) == 0
+    assert perf_lookback.main([]) == 2 and perf_lookback.main(["a.json", "b.json"]) == 2
+    assert "python -m lightning_edu.perf.lookback OUT.json [--ncu]" in capsys.readouterr().out
