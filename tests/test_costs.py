@@ -218,3 +218,16 @@ def test_la3_cost_counts_every_block_of_the_dq_pass(n, d_k, d_v, dq_block):
     dkdv = chunks * (nm * (nm + 1) // 2 * 2 * micro * micro * (2 * d_k + 2 * d_v) + nm * 4 * micro * d_k * d_v
                      + 2 * chunk * d_k * d_v)
     assert la3_cost(n, d_k, d_v, chunk, micro, dq_block=dq_block)["flops"] == dq + dkdv
+
+
+def test_one_pass_balance_counts_kv_saved_against_states_handed_on():
+    from lightning_edu.perf.costs import one_pass_balance
+
+    # d = 128: a 256-row segment's K and V (2 x 256 x 128 x 2 bytes) against one 128 x 128 float32 state written and read
+    assert one_pass_balance(128, 256, 1) == 2 * 256 * 128 * 2 - 2 * 128 * 128 * 4 == 0
+    assert one_pass_balance(64, 1024, 2) == 2 * 1024 * 64 * 2 - 2 * 2 * 64 * 64 * 4 == 196608
+    assert one_pass_balance(128, 256, 1, elem_bytes=4) > 0 > one_pass_balance(128, 256, 1, state_bytes=8)
+    for bad in ({"handoffs": 0}, {"seg_len": -1}, {"d": 2.5}):
+        args = {"d": 128, "seg_len": 256, "handoffs": 1, **bad}
+        with pytest.raises((ValueError, TypeError), match=next(iter(bad))):
+            one_pass_balance(**args)

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from lightning_edu.exercises import ExerciseError
-from lightning_edu.exercises.ch07 import check_decay_tile, check_inter_block_kernel, check_value_slice
+from lightning_edu.exercises.ch07 import check_decay_tile, check_inter_block_kernel, check_one_pass_balance, check_value_slice
 from lightning_edu.exercises.ch08 import check_la1_dq_kernel, check_replay, check_reverse_sweep_kernel
 
 
@@ -321,6 +321,33 @@ def test_value_slice_solution_passes(capsys):
 def test_value_slice_mistakes(answer, message):
     with pytest.raises(ExerciseError, match=message):
         check_value_slice(answer)
+
+
+def one_pass_balance(d, seg_len, handoffs):  # the model answer of exercise 7.5
+    return 2 * seg_len * d * 2 - handoffs * 2 * d * d * 4
+
+
+def test_one_pass_balance_solution_passes(capsys):
+    for seed in (0, None, 12345):
+        check_one_pass_balance(one_pass_balance, seed=seed)
+    out = capsys.readouterr().out
+    assert out.count("Correct: one_pass_balance agrees with the byte count in") == 3
+
+
+@pytest.mark.parametrize("answer, message", [
+    (lambda d, n, h: n * d * 2 - h * 2 * d * d * 4, r"returned -65536 for d = 128, seg_len = 256, handoffs = 1, "
+                                                    r"expected 0: .*counted only K's second read"),
+    (lambda d, n, h: 2 * n * d * 2 - h * d * d * 4, r"counted half of each state's cost"),  # a state written, not read
+    (lambda d, n, h: 2 * n * d * 2 - h * 2 * d * d * 2, r"counted half of each state's cost"),  # states in 16 bits
+    (lambda d, n, h: 2 * n * d * 4 - h * 2 * d * d * 4, r"counted K and V in 4 bytes an element"),
+    (lambda d, n, h: 2 * n * d * 2 - 2 * d * d * 4, r"handoffs = 2, expected -131072: .*left out `handoffs`"),
+    (lambda d, n, h: h * 2 * d * d * 4 - 2 * n * d * 2, r"seg_len = 512, .*reversed the sign"),
+    (lambda d, n, h: 1, r"returned 1 for d = 128, seg_len = 256, handoffs = 1, expected 0$"),  # no slip named
+    (lambda d, n, h: None, r"did you forget `return`"),
+])
+def test_one_pass_balance_mistakes(answer, message):
+    with pytest.raises(ExerciseError, match=message):
+        check_one_pass_balance(answer)
 
 
 # Exercise 8.3, plain Python: replay a recorded plan (stand-in kernels check what they are handed).

@@ -8,7 +8,9 @@ random fp32 inputs of odd lengths and compares with the float64 numpy rung:
 * :func:`check_inter_block_kernel` -- a Lightning Attention-2 forward kernel whose inter-block part and
   state update the reader writes, against ``numpy_blockwise.blockwise_forward`` (output and final state);
 * :func:`check_value_slice` -- plain Python, no kernel: how many columns of d_v one program of the backend's
-  forward takes for a number of (batch, head) pairs on a GPU, against the backend's own ``kernel_config``.
+  forward takes for a number of (batch, head) pairs on a GPU, against the backend's own ``kernel_config``;
+* :func:`check_one_pass_balance` -- plain Python: the bytes a one-pass forward saves per segment, against
+  ``perf.costs.one_pass_balance``.
 
 Kernels receive fp32 tensors; tiles are >= 16 (the GPU rejects smaller ``tl.dot`` shapes).
 """
@@ -23,7 +25,7 @@ from ..numpy_reference import decay_mask
 from ._core import (ExerciseError, call_reader, exception_chain, exercise, expect_close, expect_count, expect_shape,
                     passed, seeded, wrong_rows)
 
-__all__ = ["check_decay_tile", "check_inter_block_kernel", "check_value_slice", "tolerance"]
+__all__ = ["check_decay_tile", "check_inter_block_kernel", "check_value_slice", "check_one_pass_balance", "tolerance"]
 
 
 def _device() -> str:
@@ -220,3 +222,39 @@ def check_value_slice(value_slice, seed: int = 0) -> None:
             "flight (chapter 07 measured the slices faster at 8K to 128K tokens)")
     passed(f"value_slice chooses as the backend does in {len(cases)} cases, {whole} of them with d_v whole: pair "
            f"counts around one and two waves, two widths of d_v, {len(sm_counts)} GPUs of different sizes")
+
+
+@exercise("7.5", reveals=("one_pass_balance",))
+def check_one_pass_balance(one_pass_balance, seed: int = 0) -> None:
+    """``one_pass_balance(d, seg_len, handoffs)`` must give the bytes of DRAM traffic a one-pass forward saves per
+    segment and (batch, head), bf16 K and V, float32 states, as :func:`lightning_edu.perf.costs.one_pass_balance`
+    counts them; a wrong answer that matches a usual slip is named."""
+    from ..perf.costs import one_pass_balance as model
+
+    cases = [(128, 256, 1), (128, 512, 1), (128, 256, 2), (128, 1024, 2), (64, 128, 1), (64, 1024, 1), (64, 512, 2)]
+    if seed:
+        rng = seeded(seed)
+        cases = [(int(rng.choice([16, 32, 64, 128, 256])), 16 * int(rng.integers(1, 129)), int(rng.integers(1, 3)))
+                 for _ in range(8)]
+    for d, rows, handoffs in cases:
+        where = f"for d = {d}, seg_len = {rows}, handoffs = {handoffs}"
+        got = expect_count("one_pass_balance", call_reader(one_pass_balance, "one_pass_balance", (d, rows, handoffs),
+                                                           where), what="a number of bytes")
+        want = model(d, rows, handoffs)
+        if got == want:
+            continue
+        saved, paid = 2 * rows * d * 2, handoffs * 2 * d * d * 4
+        slips = {  # what a slip gives -> what it is (later entries win where two slips give one number)
+            rows * d * 2 - paid: "counted only K's second read; V is read a second time too",
+            2 * rows * d * 4 - paid: "counted K and V in 4 bytes an element; they are bf16, 2 bytes",
+            # a state counted once, or in 2 bytes an element: the same number
+            saved - handoffs * d * d * 4: ("counted half of each state's cost: a d x d float32 state (4 bytes an "
+                                           "element) is written, then read back by the next segment"),
+            saved - 2 * d * d * 4: "left out `handoffs`: the look-back hands on two states per segment, the chained scan one",
+            paid - saved: "reversed the sign: positive means one pass moves fewer bytes",
+        }
+        slip = slips.get(got)
+        raise ExerciseError(f"one_pass_balance returned {got} {where}, expected {want}"
+                            + (f": it looks as if you {slip}" if slip else ""))
+    passed(f"one_pass_balance agrees with the byte count in {len(cases)} cases: head dims, segment lengths, and the "
+           "hand-offs of the chained scan and of the look-back")

@@ -40,6 +40,7 @@ from ..validation import check_finite_scalar, validate_choice, validate_positive
 
 __all__ = [
     "ALGORITHMS",
+    "one_pass_balance",
     "Cost",
     "Hardware",
     "attention_cost",
@@ -349,3 +350,20 @@ def la3_cost(n: int, d_k: int, d_v: int | None = None, chunk: int = 64, micro: i
     floor = n * (4 * d_k + 3 * d_v)  # q, k in and dq, dk out (d_k wide); v, do in and dv out (d_v wide)
     return {"flops": heads_total * (dkdv + dq), "hbm_bytes": heads_total * (elements * dtype_bytes + extra),
             "floor_bytes": heads_total * floor * dtype_bytes, "on_chip": on_chip}
+
+
+def one_pass_balance(d: int, seg_len: int, handoffs: int, *, elem_bytes: int = 2, state_bytes: int = 4) -> int:
+    """Bytes of DRAM traffic a one-pass forward (:mod:`lightning_edu.triton_kernels.lookback`) saves per segment and
+    (batch, head), against the two-pass forward, when L2 serves every second read of the segment's K and V.
+    (Chapter 07.)
+
+    Saved: the second read of the segment's K and V from DRAM, ``seg_len`` rows of ``d`` elements each, of
+    ``elem_bytes``. Paid: per state handed on (``handoffs``: 1 for the chained scan; 2 for the decoupled
+    look-back, which also publishes the segment's local state), one d x d state of ``state_bytes`` per element
+    written and read back. The two-pass forward's own states (a few per sequence) are left out. Negative: one pass
+    moves more bytes. Zero exactly at ``seg_len = handoffs * d * state_bytes / elem_bytes``."""
+    d, seg_len = validate_positive_int("d", d), validate_positive_int("seg_len", seg_len)
+    handoffs = validate_positive_int("handoffs", handoffs)
+    elem_bytes = validate_positive_int("elem_bytes", elem_bytes)
+    state_bytes = validate_positive_int("state_bytes", state_bytes)
+    return 2 * seg_len * d * elem_bytes - handoffs * 2 * d * d * state_bytes
