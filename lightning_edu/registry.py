@@ -247,6 +247,14 @@ register(Implementation(
     f"{_TK}:la2_fast_from_args", f"{_TK}:la3_backward_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=128,
     checked_against="torch.chunked", bench={}))
 
+register(Implementation(
+    "triton.one_pass", "triton", "07", "the forward in one pass, segments handing states on by decoupled look-back (measured slower)",
+    f"{_TK}:one_pass_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=128, checked_against="torch.chunked"))
+register(Implementation(
+    "triton.one_pass.chained", "triton", "07", "the forward in one pass, segments handing states on by a chained scan (measured slower)",
+    f"{_TK}:one_pass_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=128, checked_against="torch.chunked",
+    options={"lookback": False}))
+
 # One decoding step: KV = lambda KV + k^T v, o = q KV for one token per (batch, head), the state carried from
 # a prefill (lightning_attention(..., return_state=True)) or a previous step. No backward: the torch step is
 # plain tensor ops, differentiable by autograd.

@@ -28,6 +28,7 @@ from lightning_edu import torch_chunked as tc
 from lightning_edu.checks import to_numpy
 from lightning_edu.triton_kernels import VARIANTS, log2_decay_tensor
 from lightning_edu.triton_kernels.la1 import la1_backward, la1_forward
+from lightning_edu.triton_kernels.lookback import lookback_forward
 
 # The kernels run on the GPU where there is one, else in Triton's CPU interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,6 +155,16 @@ def run_la1(q, k, v, do, s0, dsn, decay, block):
     return _named(o, grads=la1_backward(*t, decay, block_size=16))
 
 
+def _one_pass_runner(lookback):
+    def run(q, k, v, do, s0, dsn, decay, block):
+        t = [torch.tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k, v, s0)]
+        o, sn = lookback_forward(*t[:3], log2_decay_tensor(decay, DEVICE), t[3], seg_len=16, lookback=lookback,
+                                 block=16)  # one block per segment: every hand-off exercised
+        return _named(o, sn)
+
+    return run
+
+
 FAST = {"numpy backend": run_numpy_backend, "numpy references": run_numpy_references,
         "torch backend": run_torch_backend, "torch forms": run_torch_forms}
 KERNELS = {
@@ -163,6 +174,8 @@ KERNELS = {
     "la2_fast": _variant_runner("la2_fast", seg_len=16),  # several segments: the Horner start is exercised
     "la2_fast fused dK/dV": _variant_runner("la2_fast", seg_len=32, fused_dkdv=True),
     "la3": _variant_runner("la3", seg_len=32, chunk=32, micro=16),  # two micro-chunks per chunk, several segments
+    "one pass, look-back": _one_pass_runner(True),  # forward only
+    "one pass, chained": _one_pass_runner(False),
 }
 
 
@@ -206,7 +219,7 @@ def test_nonfinite_reaches_exactly_its_dependents(name, problem):
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-@settings(max_examples=12)  # the CPU interpreter runs each kernel slowly; 12 examples x 6 variants
+@settings(max_examples=12)  # the CPU interpreter runs each kernel slowly; 12 examples x 8 variants
 @given(problem=poisoned_problems())
 def test_nonfinite_reaches_exactly_its_dependents_in_kernels(name, problem):
     _check(KERNELS[name], problem)

@@ -1,6 +1,7 @@
 """Rung 3: Triton kernels, and the "triton" backend of :func:`lightning_edu.lightning_attention`.
 
-Variants (each correct, each measured in chapters 07-10 and by ``python -m lightning_edu.perf.bench``):
+Variants (each correct, each measured in chapters 07-10, by ``python -m lightning_edu.perf.bench`` or, the one pass,
+``python -m lightning_edu.perf.lookback``):
 
 ============  ======================================================================  ==========
 variant       what                                                                    module
@@ -9,6 +10,7 @@ la1           Lightning Attention-1: tiled masked left product, O(n^2 d)        
 la2_literal   Algorithms 1-2 as written: one program per (batch, head[, d slice])     ``la2_literal``
 la2_fast      segments + 16-bit dots + backward as reversed forwards (the backend)    ``la2_fast``
 la3           la2_fast's forward; dK, dV from micro-chunk tiles in one reverse sweep  ``la3``
+one pass      the forward in one kernel: segments hand states on (measured slower)    ``lookback``
 ============  ======================================================================  ==========
 
 The backend (la2_fast's forward, la3's or la2_fast's backward by :func:`backward_kernel`) runs through two

@@ -19,7 +19,8 @@ from .la3 import la3_backward
 
 __all__ = [
     "la1_from_args", "la1_backward_from_args", "la2_literal_from_args", "la2_literal_backward_from_args",
-    "la2_fast_from_args", "la2_fast_backward_from_args", "la3_backward_from_args", "decode_from_args",
+    "la2_fast_from_args", "la2_fast_backward_from_args", "la3_backward_from_args", "one_pass_from_args",
+    "decode_from_args",
 ]
 
 
@@ -94,6 +95,17 @@ def la3_backward_from_args(args, d_final_state=None, **options):
     dq, dk, dv, ds0 = la3_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
                                    d_final_state, **cfg, **options)
     return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), ds0
+
+
+def one_pass_from_args(args, lookback: bool = True, **options):
+    """The forward in one pass (chapter 07): the decoupled look-back, or with ``lookback`` False the chained scan;
+    the backend's tiles, segments of 8 blocks."""
+    from .lookback import lookback_forward
+
+    q, k, v = _tensors(args.q, args.k, args.v)
+    o, sn = lookback_forward(q, k, v, log2_decay_tensor(args.decay, q.device), args.initial_state, lookback=lookback,
+                             block=args.block_size)
+    return _back(o, args.v), sn
 
 
 def decode_from_args(args, **options):
