@@ -124,3 +124,18 @@ def test_lookback_measurement_refuses_bad_command_lines(capsys):
     assert perf_lookback.main(["--help"]) == 0
     assert perf_lookback.main([]) == 2 and perf_lookback.main(["a.json", "b.json"]) == 2
     assert "python -m lightning_edu.perf.lookback OUT.json [--ncu]" in capsys.readouterr().out
+
+
+@on("cpu")
+def test_one_pass_forward_reads_views_of_a_projection_in_place(device):
+    # q, k, v as a model makes them: views of one (batch, n, 3, heads, d) projection, not contiguous; the output
+    # is laid out as v's (output_like), and the result is the contiguous inputs' bit for bit.
+    b, n, h, d = 2, 70, 2, 16
+    x = torch.randn(b, n, 3 * h * d, generator=torch.Generator().manual_seed(6))
+    q, k, v = x.view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)
+    l2 = log2_decay_tensor(np.array([0.9, 1.0]), device)
+    for lookback in MODES:
+        o, sn = lookback_forward(q, k, v, l2, seg_len=32, lookback=lookback, block=16)
+        o_dense, sn_dense = lookback_forward(q.contiguous(), k.contiguous(), v.contiguous(), l2, seg_len=32,
+                                             lookback=lookback, block=16)
+        assert not q.is_contiguous() and torch.equal(o, o_dense) and torch.equal(sn, sn_dense)

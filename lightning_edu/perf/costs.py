@@ -40,7 +40,6 @@ from ..validation import check_finite_scalar, validate_choice, validate_positive
 
 __all__ = [
     "ALGORITHMS",
-    "one_pass_balance",
     "Cost",
     "Hardware",
     "attention_cost",
@@ -48,6 +47,7 @@ __all__ = [
     "modelled_time",
     "la1_cost",
     "la3_cost",
+    "one_pass_balance",
     "optimal_block_size",
 ]
 
