@@ -17,20 +17,21 @@ tries the other way, one kernel, in which the segments hand their states to each
      in series along the whole sequence.
    * **Decoupled look-back** (``lookback=True``, after Merrill and Garland's single-pass prefix scan): publish
      ``A_s`` first, then walk back: add ``lambda^(jL) A_{s-1-j}`` while a predecessor has only its local state
-     published, and stop at the first one that has published its outgoing state. No program waits on a
-     chain longer than the walk.
+     published, and stop at the first one that has published its outgoing state. A program waits only for its
+     predecessors' local states, which they all compute at once, never for a chain of hand-offs.
 4. It sweeps its blocks from ``S_s`` (Algorithm 1), reading K and V a second time. If the segment is short
    enough, they are still in L2 from step 2: K and V come from DRAM once.
 
-Whether that pays is measured in chapter 07 (``python -m lightning_edu.perf.lookback``). The price is in
-states: each segment writes one or two d_k x d_v float32 states (64 KB at d = 128) and reads one or more,
-and the segment must be short for its K and V to stay in L2 between the two reads.
+It does not pay on an H100 (chapter 07, ``python -m lightning_edu.perf.lookback``): 5-44 % slower than the two
+passes at every shape measured. The price is in states: each segment writes one or two d_k x d_v float32 states
+(64 KB at d = 128) and reads one or more, which costs as many bytes as L2 saves for segments up to 2d rows (4d with
+the look-back), while the segment must be short for its K and V to stay in L2 between the two reads.
 
 Non-finite inputs stay causal, as in every kernel of the package: the program flags a final state that ended
 non-finite, and la2_fast's exact pass redoes the flagged segments from the incoming states this kernel
 leaves behind. bfloat16 is refused in the CPU interpreter, which computes it wrongly. The interpreter runs
 programs one at a time, in order: there every wait ends at once and the look-back never walks past one
-segment. The waits and the walk are exercised on a GPU (tests/gpu).
+segment. The waits and the walk are exercised by the GPU cases of ``tests/test_triton_lookback.py``.
 """
 
 from __future__ import annotations
