@@ -254,6 +254,9 @@ register(Implementation(
     "triton.one_pass.chained", "triton", "07", "the forward in one pass, segments handing states on by a chained scan (measured slower)",
     f"{_TK}:one_pass_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=128, checked_against="torch.chunked",
     options={"lookback": False}))
+register(Implementation(
+    "triton.la2_tma", "triton", "07", "la2_fast's forward with its tiles loaded and stored by the TMA (tensor descriptors)",
+    f"{_TK}:tma_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=128, checked_against="torch.chunked"))
 
 # One decoding step: KV = lambda KV + k^T v, o = q KV for one token per (batch, head), the state carried from
 # a prefill (lightning_attention(..., return_state=True)) or a previous step. No backward: the torch step is

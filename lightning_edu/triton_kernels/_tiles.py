@@ -75,6 +75,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = [
     "launch", "FAST_LAUNCH", "launch_key", "LaunchPlan", "record_plan", "aligned", "dense", "compile_ahead", "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
@@ -111,12 +112,16 @@ def launch(kernel, grid):
 
 def _spec(x):
     """What Triton may specialise a (not constexpr) argument on, or more: an integer's divisibility by 16, whether
-    it is 1, and its width (i32, i64, u64); a tensor's dtype and whether its address is 16-byte aligned; a None;
-    a bool's value; any other value's type."""
+    it is 1, and its width (i32, i64, u64); a tensor's dtype and whether its address is 16-byte aligned; a tensor
+    descriptor's tensor (as a tensor), tile shape, padding, shape and strides (as integers); a None; a bool's
+    value; any other value's type."""
     if type(x) is int:
         return x % 16 == 0, x == 1, -2**31 <= x < 2**31, x < 2**63
     if isinstance(x, torch.Tensor):
         return x.dtype, aligned(x)
+    if isinstance(x, TensorDescriptor):
+        return (TensorDescriptor, _spec(x.base), tuple(x.block_shape), x.padding,
+                tuple(_spec(int(s)) for s in (*x.shape, *x.strides)))
     return x if x is None or type(x) is bool else type(x)
 
 

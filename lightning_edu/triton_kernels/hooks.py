@@ -20,6 +20,7 @@ from .la3 import la3_backward
 __all__ = [
     "la1_from_args", "la1_backward_from_args", "la2_literal_from_args", "la2_literal_backward_from_args",
     "la2_fast_from_args", "la2_fast_backward_from_args", "la3_backward_from_args", "one_pass_from_args",
+    "tma_from_args",
     "decode_from_args",
 ]
 
@@ -105,6 +106,15 @@ def one_pass_from_args(args, lookback: bool = True, **options):
     q, k, v = _tensors(args.q, args.k, args.v)
     o, sn = lookback_forward(q, k, v, log2_decay_tensor(args.decay, q.device), args.initial_state, lookback=lookback,
                              block=args.block_size)
+    return _back(o, args.v), sn
+
+
+def tma_from_args(args, **options):
+    """la2_fast's forward with descriptor loads in its main kernel (chapter 07), on the backend's tiles."""
+    from .la2_tma import la2_tma_forward
+
+    q, k, v = _tensors(args.q, args.k, args.v)
+    o, sn = la2_tma_forward(q, k, v, log2_decay_tensor(args.decay, q.device), args.initial_state, block=args.block_size)
     return _back(o, args.v), sn
 
 

@@ -1,0 +1,81 @@
+"""la2_fast's forward with descriptor (TMA) loads beside its pointer kernel, on a GPU. (Chapter 07.)
+
+    python -m lightning_edu.perf.tma OUT.json
+
+bf16, 16 heads, 32K tokens per call (B = 32768 / T; 1 x 128K at T = 128K), the benchmark's per-head decays, head
+dim 64 and 128, T = 2K, 8K, 32K, 128K. At each shape and each tile configuration of :data:`TILES` (``backend``:
+the backend's tiles for the shape; the others as named), the GPU's time of one forward with the same tiles and
+segments through :func:`~lightning_edu.triton_kernels.la2_fast.la2_fast_forward` (pointers) and through
+:func:`~lightning_edu.triton_kernels.la2_tma.la2_tma_forward` (descriptors): median of
+``triton.testing.do_bench_cudagraph``, each forward (pre-pass, main kernel, exact pass) captured in a CUDA graph
+and replayed, so no host time counts. Whether the two outputs agree bit for bit. ``backend_ms``: the backend's
+own forward (its plan, the sliced one where it applies) timed the same way. ``floor_ms``: the 4-tensor HBM
+floor at the measured copy bandwidth. One JSON record with the machine, versions and commit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .bench import copy_bandwidth, hbm_floor_bytes, head_decays
+from .environment import environment_record, usage_refused
+
+__all__ = ["TILES", "SHAPES", "main"]
+
+TILES = {  # name -> (block, block_dv, num_warps, num_stages); None: the backend's for the shape
+    "backend": None,
+    "64 rows, d_v whole, 8 warps, 3 stages": (64, 128, 8, 3),
+    "64 rows, 64 columns, 4 warps, 2 stages": (64, 64, 4, 2),
+}
+SHAPES = tuple((d, t) for d in (128, 64) for t in (2048, 8192, 32768, 131072))
+HEADS = 16
+
+
+def main(argv=None) -> int:
+    import numpy as np
+    import torch
+    from triton.testing import do_bench_cudagraph
+
+    from ..triton_kernels.la2_fast import backend_tiles, la2_fast_forward
+    from ..triton_kernels.la2_tma import la2_tma_forward
+
+    argv = sys.argv[1:] if argv is None else argv
+    refused = usage_refused(argv, __doc__)
+    if refused is not None:
+        return refused
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 1
+    record = {**environment_record("python -m lightning_edu.perf.tma " + " ".join(argv)), "heads": HEADS,
+              "dtype": "bfloat16", "timer": "triton.testing.do_bench_cudagraph, median", "results": []}
+    bw = copy_bandwidth()
+    record["copy_bandwidth_bytes_per_s"] = bw
+    log2_decay = torch.tensor(np.log2(head_decays(HEADS)), dtype=torch.float32, device="cuda")
+    for d, t in SHAPES:
+        batch = max(1, 32768 // t)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(batch, HEADS, t, d, device="cuda", generator=gen).bfloat16() / 4 for _ in range(3))
+        row = {"d": d, "T": t, "batch": batch, "floor_ms": hbm_floor_bytes(batch, t, HEADS, d) / bw * 1e3,
+               "backend_ms": do_bench_cudagraph(lambda: la2_fast_forward(q, k, v, log2_decay), return_mode="median"),
+               "tiles": []}
+        for name, tiles in TILES.items():
+            cfg = dict(zip(("block", "block_dv", "num_warps", "num_stages"), tiles or backend_tiles(q, v)))
+            if cfg["block_dv"] is not None and cfg["block_dv"] > d:
+                continue  # d_v whole is the 64 columns at d = 64
+            pointers = lambda: la2_fast_forward(q, k, v, log2_decay, **cfg)  # noqa: E731
+            descriptors = lambda: la2_tma_forward(q, k, v, log2_decay, **cfg)  # noqa: E731
+            row["tiles"].append({
+                "name": name, **cfg, "pointers_ms": do_bench_cudagraph(pointers, return_mode="median"),
+                "tma_ms": do_bench_cudagraph(descriptors, return_mode="median"),
+                "same_bits": bool(torch.equal(pointers()[0], descriptors()[0]))})
+            x = row["tiles"][-1]
+            print(f"d={d} T={t} {name}: pointers {x['pointers_ms']:.3f} ms, TMA {x['tma_ms']:.3f} ms", flush=True)
+        record["results"].append(row)
+        with open(argv[0], "w") as f:
+            json.dump(record, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""la2_fast's forward with its tiles loaded by Hopper's tensor memory accelerator (TMA). (Chapter 07.)
+
+The main forward kernel of :mod:`la2_fast` computes the address of every element it loads: a 64 x 128 tile of
+``Q`` is 8192 pointers, held in registers (chapter 07's Nsight Compute table: 242 to 255 registers per thread at
+d = 128, with spills, and 8 warps per SM). On Hopper GPUs a *tensor descriptor* (the tensor's base, shape and
+strides, and the tile's shape, ``triton.tools.tensor_descriptor.TensorDescriptor``) lets the kernel ask the
+TMA unit for a whole tile by its coordinates, ``desc.load([batch, head, row, column])``: the copy engine
+computes the addresses and writes the tile to shared memory, asynchronously, and rows or columns past the
+tensor's end come back as zeros (so no masks). Stores go the same way, dropping what lies outside.
+
+Everything else is la2_fast's: the segment pre-pass (with pointers), the incoming states, the block loop
+(Algorithm 1 with 16-bit dots and a float32 state), the non-finite flags and the exact pass. Forward only, in
+time order (the backward's reversed passes keep la2_fast's pointers), and not the backend's: its launch
+plans (:class:`~._tiles.LaunchPlan`) replay a call's arguments, and a descriptor holds its tensor's address.
+Chapter 07 measures it against la2_fast's kernel (``python -m lightning_edu.perf.tma``).
+
+A descriptor needs 16-byte aligned rows: the base and every stride but the last a multiple of 16 bytes (d a
+multiple of 8 in 16-bit dtypes, of 4 in float32); on a GPU, compute capability 9.0 or later. The launcher refuses
+other inputs (ValueError). In the CPU interpreter descriptors are emulated, so the same kernel is checked there.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._tiles import (
+    apply_decay, clear_flag, decay_tile, dense, dot_precision, exact_pass_grid, flag_nonfinite, head_start, interpreted,
+    launch, pad_dim, refuse_interpreted_bf16,
+)
+from .la2_fast import (
+    _incoming_state, _la2_fast_forward_kernel, _sm_count, _strides, backend_tiles, choose_segments, in_place,
+    output_like, segment_states, short_blocks, value_slices,
+)
+
+__all__ = ["la2_tma_forward", "tma_ready"]
+
+
+@triton.jit(do_not_specialize=["H"])
+def _tma_forward_kernel(
+    q_desc, k_desc, v_desc, o_desc, S0, SN, SEG, FLAG, LOG2_DECAY, n, H, seg_len,
+    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_S0: tl.constexpr, STORE_SN: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Algorithm 1 over one segment, tiles through descriptors. Grid (batch*heads, num_segments, slices of d_v).
+
+    The descriptors cover (batch, heads, n, d) tensors with tiles of (1, 1, BLOCK, PAD_K) for q and k and
+    (1, 1, BLOCK, BLOCK_DV) for v and o. SEG holds every segment's local state (la2_fast's pre-pass); FLAG one
+    non-finite flag per program, in la2_fast's order, for its exact pass.
+    """
+    bh = tl.program_id(0)
+    seg = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    num_seg = tl.num_programs(1)
+    slices: tl.constexpr = (D_V + BLOCK_DV - 1) // BLOCK_DV
+    flag = FLAG + (bh * num_seg + seg) * slices + pid_v
+    clear_flag(flag)
+    b = bh // H
+    h = bh % H
+    log2_lam = tl.load(LOG2_DECAY + h)
+    S0 += head_start(bh, 1, D_K * D_V)
+    SN += head_start(bh, 1, D_K * D_V)
+    SEG += head_start(bh, num_seg, D_K * D_V)
+    offs_r = tl.arange(0, BLOCK)
+    offs_k = tl.arange(0, PAD_K)
+    offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    state_offs = offs_k[:, None] * D_V + offs_v[None, :]
+    state_ok = (offs_k < D_K)[:, None] & (offs_v < D_V)[None, :]
+    kv = _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok, D_K, D_V, PAD_K, BLOCK_DV, HAS_S0)
+    mask = decay_tile(log2_lam, offs_r, offs_r, False)
+    q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
+    start = seg * seg_len
+    end = tl.minimum(start + seg_len, n)
+    for blk in range(start, end, BLOCK):  # rows past n load as zeros (segments before the last are whole blocks)
+        q = q_desc.load([b, h, blk, 0]).reshape(BLOCK, PAD_K)
+        k = k_desc.load([b, h, blk, 0]).reshape(BLOCK, PAD_K)
+        v = v_desc.load([b, h, blk, pid_v * BLOCK_DV]).reshape(BLOCK, BLOCK_DV)
+        size = tl.minimum(end - blk, BLOCK)
+        scores = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, False)  # (B, d_k) @ (d_k, B)
+        o = tl.dot(scores.to(v.dtype), v, input_precision=PRECISION)  # (B, B) @ (B, d_v)
+        o += tl.dot(q, kv.to(q.dtype), input_precision=PRECISION) * q_scale[:, None]  # (B, d_k) @ (d_k, d_v)
+        k_scale = tl.where(blk + offs_r < end, tl.exp2(log2_lam * tl.maximum(size - 1 - offs_r, 0).to(tl.float32)), 0.0)
+        ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
+        kv = kv * tl.exp2(log2_lam * size.to(tl.float32)) + tl.dot(tl.trans(ks), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
+        o_desc.store([b, h, blk, pid_v * BLOCK_DV], o.to(o_desc.dtype).reshape(1, 1, BLOCK, BLOCK_DV))
+    if STORE_SN:
+        if seg == num_seg - 1:
+            tl.store(SN + state_offs, kv, mask=state_ok)
+    flag_nonfinite(flag, kv)
+
+
+def tma_ready(*tensors) -> str | None:
+    """Why these (batch, heads, n, d) tensors cannot be read through tensor descriptors, or None when they can:
+    a GPU of compute capability 9.0 or later (or the interpreter), the last stride 1, and the base and every other
+    stride a multiple of 16 bytes."""
+    import torch
+
+    for x in tensors:
+        if x.is_cuda and not interpreted(x) and torch.cuda.get_device_capability(x.device) < (9, 0):
+            return f"tensor descriptors need a GPU of compute capability 9.0 or later, got {torch.cuda.get_device_name(x.device)}"
+        size = x.element_size()
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s * size % 16 for s in x.stride()[:-1]):
+            return (f"tensor descriptors need 16-byte aligned rows (the base and every stride but the last a multiple "
+                    f"of 16 bytes, the last stride 1), got strides {tuple(x.stride())} of {size}-byte elements")
+    return None
+
+
+def la2_tma_forward(q, k, v, log2_decay, initial_state=None, block: int | None = None, block_dv: int | None = None,
+                    num_warps: int | None = None, num_stages: int | None = None, seg_len: int | None = None):
+    """la2_fast's forward with descriptor loads and stores in the main kernel: (o, final_state fp32), as
+    :func:`~.la2_fast.la2_fast_forward` returns them. Tiles left None are the backend's
+    (:func:`~.la2_fast.backend_tiles`); the segments are :func:`~.la2_fast.choose_segments`'. Inputs that
+    :func:`tma_ready` turns down get a ValueError; bfloat16 is refused in the CPU interpreter (TypeError)."""
+    import torch
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    refuse_interpreted_bf16("la2_tma_forward", q, k, v)
+    block, block_dv, num_warps, num_stages = backend_tiles(q, v, block, block_dv, num_warps, num_stages)
+    q, k, v = in_place(q), in_place(k), in_place(v)
+    o = output_like(v)
+    why = tma_ready(q, k, v, o)
+    if why is not None:
+        raise ValueError(f"la2_tma_forward: {why}")
+    batch, heads, n, d_k = q.shape
+    d_v = v.shape[-1]
+    pad_k = pad_dim(d_k)
+    block_dv, slices = value_slices(d_v, block_dv)
+    num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len,
+                                       short_blocks(q.device))
+    sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
+    seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
+    segment_states(k, v, log2_decay, seg, seg_len, block, block_dv, num_warps, num_stages)
+    s0 = dense(initial_state.float()) if initial_state is not None else sn  # sn: never read without HAS_S0
+    programs = batch * heads * num_seg * slices
+    flags = torch.empty(programs, device=q.device, dtype=torch.int32)
+
+    def desc(x, width):
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block, width])
+
+    meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv, BLOCK=block, PRECISION=dot_precision(q),
+                num_warps=num_warps, num_stages=num_stages)
+    launch(_tma_forward_kernel, (batch * heads, num_seg, slices))(
+        desc(q, pad_k), desc(k, pad_k), desc(v, block_dv), desc(o, block_dv), s0, sn, seg, flags, log2_decay, n,
+        heads, seg_len, **meta, HAS_S0=initial_state is not None, STORE_SN=True)
+    # la2_fast's exact pass (pointers) redoes the programs flagged non-finite, from the same segment states.
+    safe_grid, scan = exact_pass_grid(programs, q.device)
+    launch(_la2_fast_forward_kernel, safe_grid)(
+        q, k, v, o, s0, sn, seg, seg, flags, log2_decay, n, heads, seg_len, programs, *_strides(q, k, v, o), **meta,
+        REVERSE=False, HAS_S0=initial_state is not None, STORE_SN=False, SEG_IS_INCOMING=False, STORE_INC=False,
+        SAFE=True, SCAN=scan, CONTIGUOUS=all(x.is_contiguous() for x in (q, k, v, o)))
+    return o, sn
