@@ -10,7 +10,7 @@ la1           Lightning Attention-1: tiled masked left product, O(n^2 d)        
 la2_literal   Algorithms 1-2 as written: one program per (batch, head[, d slice])     ``la2_literal``
 la2_fast      segments + 16-bit dots + backward as reversed forwards (the backend)    ``la2_fast``
 la3           la2_fast's forward; dK, dV from micro-chunk tiles in one reverse sweep  ``la3``
-la2_tma       la2_fast's forward, tiles loaded and stored by the TMA (descriptors)     ``la2_tma``
+la2_tma       la2_fast's forward, tiles loaded and stored by the TMA (descriptors)    ``la2_tma``
 one pass      the forward in one kernel: segments hand states on (measured slower)    ``lookback``
 ============  ======================================================================  ==========
 
