@@ -164,6 +164,20 @@ def test_the_fast_launch_key_separates_what_triton_specialises_on():
     pairs_together = [(16, 32), (17, 19), (buffer, buffer[4:]), (buffer, torch.ones(8)), (0.5, 2.0), (None, None)]
     for a, b in pairs_together:
         assert spec(a) == spec(b)
+    # tensor descriptors (la2_tma): apart by their tensor's dtype or alignment, tile shape, padding, or an
+    # integer of their shape or strides; together for another tensor of the same kind and layout
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(x, block=(1, 16), shape=None, padding="zero"):
+        shape = shape or list(x.shape)
+        return TensorDescriptor(x, shape, list(x.stride()), list(block), padding)
+
+    grid = torch.zeros(4, 64)
+    for a, b in [(desc(grid), desc(grid.half())), (desc(grid), desc(grid, block=(2, 16))),
+                 (desc(grid), desc(grid, shape=[4, 17])), (desc(grid), desc(grid, padding="nan")),
+                 (desc(grid), grid)]:
+        assert spec(a) != spec(b)
+    assert spec(desc(grid)) == spec(desc(torch.ones(4, 64))) == spec(desc(torch.zeros(8, 64), shape=[4, 64]))
 
 
 def test_launch_takes_the_fast_path_only_for_compiled_kernels(monkeypatch):

@@ -174,6 +174,27 @@ def test_record_plan_refuses_what_a_replay_could_not_reproduce(mistake):
     assert plan is None
 
 
+def test_record_plan_refuses_a_launch_given_a_tensor_descriptor():
+    # A descriptor holds its tensor's address (la2_tma's kernel takes them): recorded as a constant, a replay would
+    # launch on the recorded call's tensor. No plan, so every such call runs its launcher again.
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x = torch.arange(4.0)
+    seen = []
+
+    class _Reader:
+        def __getitem__(self, grid):
+            return lambda desc, out: seen.append(desc.base.data_ptr()) or out.numpy().__setitem__(slice(None), 1.0)
+
+    def launcher(x):
+        out = torch.empty_like(x)
+        _tiles.launch(_Reader(), (1,))(TensorDescriptor(x, [4], [1], [4]), out)
+        return out, None
+
+    result, plan = _tiles.record_plan(launcher, (x,), x)
+    assert plan is None and seen == [x.data_ptr()] and torch.equal(result[0], torch.ones(4))
+
+
 class _Compiled:
     """A compiled kernel stand-in: its launcher records what it is called with."""
 

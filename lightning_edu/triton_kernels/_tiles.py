@@ -351,6 +351,8 @@ def _build_plan(recorder, inputs, result):
     buffers, where = [], {}
 
     def entry(x):
+        if isinstance(x, TensorDescriptor):
+            raise _NotReplayable  # it holds its tensor's address: a replay would launch on the recorded call's tensor
         if not isinstance(x, torch.Tensor):
             return 2, x
         if id(x) in index:
