@@ -228,7 +228,8 @@ class LaunchPlan:
     handed to a kernel is either one of the call's inputs (the same object) or a buffer the launchers allocated
     during the call: a tensor of its own storage, at offset 0, never written by a torch operation (its version
     counter still 0; under ``torch.inference_mode`` tensors have none, and this check is skipped), and shared
-    with no other tensor. What the caller must hold: the launchers allocate with
+    with no other tensor; and no argument is a tensor descriptor (it holds its tensor's address, which a replay
+    would reuse). What the caller must hold: the launchers allocate with
     ``torch.empty``-like calls, write their buffers only through kernels, and choose everything from the key the
     caller files the plan under (shapes, strides, dtypes, device, options). The backend's callers
     (:mod:`.ops`) record only calls whose inputs are contiguous, aligned and need no conversion, where that holds.
