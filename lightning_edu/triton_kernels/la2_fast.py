@@ -42,7 +42,7 @@ from ._tiles import (
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
            "sliced_forward", "SLICE", "value_slices",
-           "finish_backward", "segment_states", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
+           "finish_backward", "segment_states", "exact_pass", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
 
 
 @triton.jit
@@ -506,7 +506,7 @@ def value_slices(d_v: int, block_dv: int | None) -> tuple[int, int]:
 
 def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, num_warps, num_stages, seg_len,
                   local_states=None, incoming=None, store_incoming=False, out=None, seg_t=False,
-                  final_state=True):
+                  final_state=True, fast_pass=None):
     """o_p = q_p sum_{p'<=p} lambda^(p-p') k_p'^T v_p' (+ lambda^(p+1) q_p S0) in processing order p, written into
     ``out`` when given (v's shape, from :func:`output_like`), else into ``output_like(v)``.
 
@@ -518,6 +518,9 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     ``seg_t``: the given ``local_states`` or ``incoming`` are another pass's, transposed (read in place).
     ``final_state`` False: no final state is stored, nor allocated (None in its place; the dQ pass has no use for
     one).
+    ``fast_pass``: another kernel for the fast pass, on this plan (segments, pre-pass, flags; the exact pass is
+    la2_fast's), launched as ``fast_pass(grid, q, k, v, o, s0, sn, seg, flags, log2_decay, n, heads, seg_len, meta)``
+    in place of la2_fast's. la2_tma's, in time order, storing the final state and no incoming states.
     """
     import torch
 
@@ -544,18 +547,27 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     grid = (batch * heads, num_seg, slices)
     programs = batch * heads * num_seg * slices
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
-    args = (q, k, v, o, s0, unused if sn is None else sn, seg, inc, flags, log2_decay, n, heads, seg_len, programs,
-            *_strides(q, k, v, o))
+    sn_arg = unused if sn is None else sn
+    args = (q, k, v, o, s0, sn_arg, seg, inc, flags, log2_decay, n, heads, seg_len, programs, *_strides(q, k, v, o))
     meta.update(HAS_S0=initial_state is not None, SEG_IS_INCOMING=incoming is not None, num_warps=num_warps,
                 num_stages=num_stages, CONTIGUOUS=all(x.is_contiguous() for x in (q, k, v, o)),
                 SEG_T=seg_t and (incoming is not None or local_states is not None))
     # The fast pass flags programs whose state ended non-finite; the exact pass redoes only those (_tiles).
-    launch(_la2_fast_forward_kernel, grid)(*args, **meta, STORE_SN=final_state, STORE_INC=store_incoming)
-    safe_grid, scan = exact_pass_grid(programs, q.device)
-    launch(_la2_fast_forward_kernel, safe_grid)(*args, **meta, STORE_SN=False, STORE_INC=False, SAFE=True,
-                                                SCAN=scan)
+    if fast_pass is None:
+        launch(_la2_fast_forward_kernel, grid)(*args, **meta, STORE_SN=final_state, STORE_INC=store_incoming)
+    else:
+        fast_pass(grid, q, k, v, o, s0, sn_arg, seg, flags, log2_decay, n, heads, seg_len, meta)
+    exact_pass(args, meta, programs, q.device)
     aux = {"seg_len": seg_len, "local": None if incoming is not None else seg, "incoming": inc if store_incoming else None}
     return o, sn, aux
+
+
+def exact_pass(args, meta, programs: int, device) -> None:
+    """The exact pass of a forward (_tiles): la2_fast's kernel with SAFE over the ``programs`` flags in ``args`` (its
+    positional arguments, as the fast pass gets them) redoes the flagged programs. ``meta``: its constants but
+    STORE_SN, STORE_INC, SAFE and SCAN, which are set here."""
+    safe_grid, scan = exact_pass_grid(programs, device)
+    launch(_la2_fast_forward_kernel, safe_grid)(*args, **meta, STORE_SN=False, STORE_INC=False, SAFE=True, SCAN=scan)
 
 
 def backend_tiles(q, v, block=None, block_dv=None, num_warps=None, num_stages=None) -> tuple[int, int | None, int, int]:

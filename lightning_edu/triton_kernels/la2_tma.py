@@ -25,13 +25,10 @@ import triton
 import triton.language as tl
 
 from ._tiles import (
-    apply_decay, clear_flag, decay_tile, dense, dot_precision, exact_pass_grid, flag_nonfinite, head_start, interpreted,
-    launch, pad_dim, refuse_interpreted_bf16,
+    apply_decay, clear_flag, decay_tile, dense, flag_nonfinite, head_start, interpreted, launch,
+    refuse_interpreted_bf16,
 )
-from .la2_fast import (
-    _incoming_state, _la2_fast_forward_kernel, _sm_count, _strides, backend_tiles, choose_segments, in_place,
-    output_like, segment_states, short_blocks, value_slices,
-)
+from .la2_fast import _forward_form, _incoming_state, backend_tiles, in_place, output_like
 
 __all__ = ["la2_tma_forward", "tma_ready"]
 
@@ -111,9 +108,6 @@ def la2_tma_forward(q, k, v, log2_decay, initial_state=None, block: int | None =
     :func:`~.la2_fast.la2_fast_forward` returns them. Tiles left None are the backend's
     (:func:`~.la2_fast.backend_tiles`); the segments are :func:`~.la2_fast.choose_segments`'. Inputs that
     :func:`tma_ready` turns down get a ValueError; bfloat16 is refused in the CPU interpreter (TypeError)."""
-    import torch
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     refuse_interpreted_bf16("la2_tma_forward", q, k, v)
     block, block_dv, num_warps, num_stages = backend_tiles(q, v, block, block_dv, num_warps, num_stages)
     q, k, v = in_place(q), in_place(k), in_place(v)
@@ -121,31 +115,21 @@ def la2_tma_forward(q, k, v, log2_decay, initial_state=None, block: int | None =
     why = tma_ready(q, k, v, o)
     if why is not None:
         raise ValueError(f"la2_tma_forward: {why}")
-    batch, heads, n, d_k = q.shape
-    d_v = v.shape[-1]
-    pad_k = pad_dim(d_k)
-    block_dv, slices = value_slices(d_v, block_dv)
-    num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len,
-                                       short_blocks(q.device))
-    sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
-    seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
-    segment_states(k, v, log2_decay, seg, seg_len, block, block_dv, num_warps, num_stages)
-    s0 = dense(initial_state.float()) if initial_state is not None else sn  # sn: never read without HAS_S0
-    programs = batch * heads * num_seg * slices
-    flags = torch.empty(programs, device=q.device, dtype=torch.int32)
+    s0 = dense(initial_state.float()) if initial_state is not None else None
+    # la2_fast's plan (segments, pre-pass, flags) and exact pass, this module's kernel for the fast pass
+    o, sn, _ = _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len,
+                             out=o, fast_pass=_tma_fast_pass)
+    return o, sn
+
+
+def _tma_fast_pass(grid, q, k, v, o, s0, sn, seg, flags, log2_decay, n, heads, seg_len, meta):
+    """The fast pass through descriptors, as la2_fast's ``_forward_form`` launches it (its ``fast_pass``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     def desc(x, width):
-        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block, width])
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, meta["BLOCK"], width])
 
-    meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv, BLOCK=block, PRECISION=dot_precision(q),
-                num_warps=num_warps, num_stages=num_stages)
-    launch(_tma_forward_kernel, (batch * heads, num_seg, slices))(
-        desc(q, pad_k), desc(k, pad_k), desc(v, block_dv), desc(o, block_dv), s0, sn, seg, flags, log2_decay, n,
-        heads, seg_len, **meta, HAS_S0=initial_state is not None, STORE_SN=True)
-    # la2_fast's exact pass (pointers) redoes the programs flagged non-finite, from the same segment states.
-    safe_grid, scan = exact_pass_grid(programs, q.device)
-    launch(_la2_fast_forward_kernel, safe_grid)(
-        q, k, v, o, s0, sn, seg, seg, flags, log2_decay, n, heads, seg_len, programs, *_strides(q, k, v, o), **meta,
-        REVERSE=False, HAS_S0=initial_state is not None, STORE_SN=False, SEG_IS_INCOMING=False, STORE_INC=False,
-        SAFE=True, SCAN=scan, CONTIGUOUS=all(x.is_contiguous() for x in (q, k, v, o)))
-    return o, sn
+    names = ("D_K", "D_V", "PAD_K", "BLOCK_DV", "BLOCK", "HAS_S0", "PRECISION", "num_warps", "num_stages")
+    launch(_tma_forward_kernel, grid)(
+        desc(q, meta["PAD_K"]), desc(k, meta["PAD_K"]), desc(v, meta["BLOCK_DV"]), desc(o, meta["BLOCK_DV"]), s0, sn,
+        seg, flags, log2_decay, n, heads, seg_len, **{name: meta[name] for name in names}, STORE_SN=True)

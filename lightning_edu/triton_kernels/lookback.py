@@ -40,12 +40,11 @@ import triton
 import triton.language as tl
 
 from ._tiles import (
-    cdiv, clear_flag, decay_tile, dense, dot_precision, exact_pass_grid, flag_nonfinite, head_offset, head_start,
-    launch, pad_dim, refuse_interpreted_bf16,
+    cdiv, clear_flag, decay_tile, dense, dot_precision, flag_nonfinite, head_offset, head_start, launch, pad_dim,
+    refuse_interpreted_bf16,
 )
 from .la2_fast import (
-    _forward_sweep, _la2_fast_forward_kernel, _local_state, _strides, backend_tiles, in_place, output_like,
-    value_slices,
+    _forward_sweep, _local_state, _strides, backend_tiles, exact_pass, in_place, output_like, value_slices,
 )
 
 __all__ = ["lookback_forward", "LOCAL", "OUTGOING"]
@@ -206,9 +205,6 @@ def lookback_forward(q, k, v, log2_decay, initial_state=None, seg_len: int | Non
                                                   seg_len, chains, *strides, **meta,
                                                   HAS_S0=initial_state is not None, LOOKBACK=lookback)
     # la2_fast's exact pass redoes the flagged segments from their saved incoming states.
-    safe_grid, scan = exact_pass_grid(programs, q.device)
-    launch(_la2_fast_forward_kernel, safe_grid)(q, k, v, o, s0, sn, inc, inc, flags, log2_decay, n, heads, seg_len,
-                                                programs, *strides, **meta, REVERSE=False, HAS_S0=False,
-                                                STORE_SN=False, SEG_IS_INCOMING=True, STORE_INC=False, SAFE=True,
-                                                SCAN=scan)
+    exact_pass((q, k, v, o, s0, sn, inc, inc, flags, log2_decay, n, heads, seg_len, programs, *strides),
+               {**meta, "REVERSE": False, "HAS_S0": False, "SEG_IS_INCOMING": True}, programs, q.device)
     return o, sn
