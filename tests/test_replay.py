@@ -174,25 +174,53 @@ def test_record_plan_refuses_what_a_replay_could_not_reproduce(mistake):
     assert plan is None
 
 
-def test_record_plan_refuses_a_launch_given_a_tensor_descriptor():
-    # A descriptor holds its tensor's address (la2_tma's kernel takes them): recorded as a constant, a replay would
-    # launch on the recorded call's tensor. No plan, so every such call runs its launcher again.
+def test_a_plan_rebuilds_tensor_descriptors_on_the_replays_tensors():
+    # A descriptor holds its tensor's address (la2_tma's kernel takes them): the plan keeps its shape, strides,
+    # tile and padding, and a replay builds it afresh on the replay's input and on the replay's own buffer.
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    x = torch.arange(4.0)
     seen = []
 
-    class _Reader:
+    class _Doubler:
         def __getitem__(self, grid):
-            return lambda desc, out: seen.append(desc.base.data_ptr()) or out.numpy().__setitem__(slice(None), 1.0)
+            def run(x_desc, out_desc, scale):
+                seen.append((x_desc, out_desc))
+                out_desc.base.numpy()[:] = x_desc.base.numpy() * scale  # numpy: the buffer's version stays 0
+            return run
 
     def launcher(x):
         out = torch.empty_like(x)
-        _tiles.launch(_Reader(), (1,))(TensorDescriptor(x, [4], [1], [4]), out)
+        _tiles.launch(_Doubler(), (1,))(TensorDescriptor(x, [8], [1], [4], "nan"), TensorDescriptor(out, [8], [1], [8]), 2.0)
         return out, None
 
+    x = torch.arange(8.0)
     result, plan = _tiles.record_plan(launcher, (x,), x)
-    assert plan is None and seen == [x.data_ptr()] and torch.equal(result[0], torch.ones(4))
+    assert plan is not None and torch.equal(result[0], 2 * x)
+    y = torch.arange(8.0) + 5
+    out, none = plan.replay((y,))
+    assert none is None and torch.equal(out, 2 * y) and out is not result[0]
+    x_desc, out_desc = seen[-1]
+    assert x_desc.base is y and out_desc.base is out and len(seen) == 2
+    assert (x_desc.shape, x_desc.strides, x_desc.block_shape, x_desc.padding) == ([8], [1], [4], "nan")
+    assert (out_desc.block_shape, out_desc.padding) == ([8], "zero")
+
+
+def test_record_plan_refuses_a_descriptor_of_a_view_of_an_input():
+    # A replay could rebuild a descriptor only on an input or a buffer of the call, not on a view of one.
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    class _Reader:
+        def __getitem__(self, grid):
+            return lambda desc, out: out.numpy().__setitem__(slice(None), desc.base.numpy())
+
+    def launcher(x):
+        out = torch.empty(4)
+        _tiles.launch(_Reader(), (1,))(TensorDescriptor(x[4:], [4], [1], [4]), out)
+        return out, None
+
+    x = torch.arange(8.0)
+    result, plan = _tiles.record_plan(launcher, (x,), x)
+    assert plan is None and torch.equal(result[0], x[4:])
 
 
 class _Compiled:

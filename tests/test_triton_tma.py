@@ -10,7 +10,7 @@ from kernel_cases import to_numpy64 as _np
 from lightning_edu.checks import relative_error
 from lightning_edu.numpy_blockwise import blockwise_forward
 from lightning_edu.triton_kernels import log2_decay_tensor
-from lightning_edu.triton_kernels.la2_fast import backend_tiles, la2_fast_forward
+from lightning_edu.triton_kernels.la2_fast import backend_tiles, la2_fast_backward, la2_fast_forward
 from lightning_edu.triton_kernels.la2_tma import la2_tma_forward, tma_ready
 
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -77,3 +77,67 @@ def test_tma_measurement_refuses_bad_command_lines(capsys):
     assert perf_tma.main(["--help"]) == 0
     assert perf_tma.main([]) == 2 and perf_tma.main(["a.json", "b.json"]) == 2
     assert "python -m lightning_edu.perf.tma OUT.json" in capsys.readouterr().out
+
+
+@cases("shape,tiles,dtype", {
+    "cpu": [((1, 2, 100, 16, 48), dict(block=16, block_dv=32, seg_len=32), torch.float32),
+            ((2, 1, 70, 32, 16), dict(block=16, seg_len=48), torch.float32)],
+    "cuda": [((2, 3, 1000, 128, 128), {}, torch.bfloat16), ((1, 2, 4099, 128, 96), {}, torch.float16),
+             ((8, 16, 2048, 128, 128), {}, torch.bfloat16)],
+})
+def test_the_backends_passes_in_time_order_take_descriptor_tiles_bit_for_bit(device, shape, tiles, dtype, monkeypatch):
+    # The forward (saving its incoming states, from an initial state) and the backward's dQ pass (reading them),
+    # their fast pass through descriptors (tma=True) or through pointers (tma=False): the same bits.
+    from lightning_edu.triton_kernels import la2_tma
+
+    seen = []
+    real = la2_tma._tma_fast_pass
+    monkeypatch.setattr(la2_tma, "_tma_fast_pass", lambda grid, args, meta: seen.append(grid) or real(grid, args, meta))
+    q, k, v, do, s0, _ = kernel_inputs(shape, device, dtype)
+    l2 = log2_decay_tensor(np.array([1.0, 0.9, 0.05][:shape[1]] + [0.99] * max(0, shape[1] - 3)), device)
+    runs = {}
+    for tma in (True, False):
+        o, sn, saved = la2_fast_forward(q, k, v, l2, s0, save_states=True, tma=tma, **tiles)
+        grads = la2_fast_backward(q, k, v, do, l2, s0, None, saved=saved, tma=tma, **tiles)
+        runs[tma] = (o, sn, saved[1], *grads)
+        assert len(seen) == 2  # the forward's fast pass and dQ's, with tma=True only
+    synchronize(device)
+    assert saved[1] is not None  # more than one segment: the incoming states were stored, and read by dQ
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+    assert relative_error(runs[True][0], blockwise_forward(_np(q), _np(k), _np(v), np.exp2(_np(l2)), 64, _np(s0))[0]) < BOUNDS[dtype]
+
+
+@on("cpu")
+def test_the_backends_replayed_forward_rebuilds_its_descriptors(device, monkeypatch):
+    # A launch plan of a forward with descriptor tiles: its replay on new inputs gives the launchers' bits.
+    from lightning_edu.triton_kernels import la2_tma, ops
+
+    monkeypatch.setattr(la2_tma, "backend_takes", lambda q, v: True)  # the interpreter's call, as a GPU's would be
+    seen = []
+    real = la2_tma._tma_fast_pass
+    monkeypatch.setattr(la2_tma, "_tma_fast_pass", lambda grid, args, meta: seen.append(args[0]) or real(grid, args, meta))
+    l2 = log2_decay_tensor(np.array([0.9, 0.999]), device)
+    first = kernel_inputs((1, 2, 130, 16, 32), device, torch.float32, seed=1)[:3]
+    ops.forward_impl(*first, l2, None, 32, True)  # recorded
+    (plan,) = ops._FORWARD_PLANS.values()
+    assert plan is not None and len(seen) == 1
+    q, k, v = kernel_inputs((1, 2, 130, 16, 32), device, torch.float32, seed=2)[:3]
+    replayed = ops.forward_impl(q, k, v, l2, None, 32, True)
+    assert len(seen) == 1  # replayed: no launcher ran
+    monkeypatch.setattr(ops, "REPLAY", False)
+    want = ops.forward_impl(q, k, v, l2, None, 32, True)
+    assert len(seen) == 2 and seen[-1] is q
+    assert all(torch.equal(a, b) for a, b in zip(replayed, want))
+
+
+@on("cuda")
+def test_the_backend_takes_descriptor_tiles_for_16_bit_heads_of_65_to_128(device):
+    from lightning_edu.triton_kernels.la2_tma import backend_takes
+
+    def x(d, dtype=torch.bfloat16):
+        return torch.empty(1, 1, 16, d, device=device, dtype=dtype)
+
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert backend_takes(x(128), x(128)) == hopper and backend_takes(x(64), x(96), ) == hopper
+    assert not backend_takes(x(64), x(64)) and not backend_takes(x(256), x(256))
+    assert not backend_takes(x(128, torch.float32), x(128, torch.float32))

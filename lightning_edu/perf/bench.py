@@ -257,9 +257,29 @@ def _user_call(q, k, v, decay, do):
     return _autograd(lambda a, b, c: lightning_attention(a, b, c, decay_t, backend="triton"))(q, k, v, do)
 
 
+def _backend_on_pointers(q, k, v, decay, do):
+    """The backend (``triton``) with its passes in time order on la2_fast's pointer kernel, not on descriptor tiles
+    (:data:`~lightning_edu.triton_kernels.la2_tma.BACKEND` off during each timed call): what the TMA's loads
+    bring to the backend, measured in the same run."""
+    from ..triton_kernels import la2_tma
+
+    def pointers(fn):
+        def run():
+            was, la2_tma.BACKEND = la2_tma.BACKEND, False
+            try:
+                return fn()
+            finally:
+                la2_tma.BACKEND = was
+        return run
+
+    fwd, fwdbwd = _registry_method(registry.backend_for("triton")).make(q, k, v, decay, do)
+    return pointers(fwd), pointers(fwdbwd)
+
+
 METHODS: dict[str, Method] = {
     **registry_methods(),
     "triton_user": Method("triton_user", _user_call),
+    "triton_pointers": Method("triton_pointers", _backend_on_pointers),
     "torch": _registry_method(registry.backend_for("torch")),
     "sdpa_flash": Method("sdpa_flash", _sdpa("FLASH_ATTENTION"), same_function=False),
     "sdpa_cudnn": Method("sdpa_cudnn", _sdpa("CUDNN_ATTENTION"), same_function=False),

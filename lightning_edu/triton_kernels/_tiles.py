@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+from dataclasses import replace
 import inspect
 import operator
 import os
@@ -228,8 +229,10 @@ class LaunchPlan:
     handed to a kernel is either one of the call's inputs (the same object) or a buffer the launchers allocated
     during the call: a tensor of its own storage, at offset 0, never written by a torch operation (its version
     counter still 0; under ``torch.inference_mode`` tensors have none, and this check is skipped), and shared
-    with no other tensor; and no argument is a tensor descriptor (it holds its tensor's address, which a replay
-    would reuse). What the caller must hold: the launchers allocate with
+    with no other tensor. A tensor descriptor (:class:`TensorDescriptor`) must describe one of those tensors: it
+    holds its tensor's address, so a replay builds it afresh on the replay's tensor, with the recorded shape,
+    strides, tile and padding (``dataclasses.replace``; Triton's launcher encodes the TMA's copy of it at each
+    launch, as it does for every call). What the caller must hold: the launchers allocate with
     ``torch.empty``-like calls, write their buffers only through kernels, and choose everything from the key the
     caller files the plan under (shapes, strides, dtypes, device, options). The backend's callers
     (:mod:`.ops`) record only calls whose inputs are contiguous, aligned and need no conversion, where that holds.
@@ -237,32 +240,41 @@ class LaunchPlan:
 
     __slots__ = ("buffers", "launches", "outputs", "before", "_blank", "_steps", "_direct", "_pick_outputs")
 
+    # A template entry is (kind, x): (0, input index), (1, buffer index), (2, value), or (3, (kind, index,
+    # descriptor)): a tensor descriptor like the recorded ``descriptor``, of the input (kind 0) or buffer (1).
+
     def __init__(self, buffers, launches, outputs):
         self.buffers = buffers    # (shape, stride, dtype, device) per buffer, numbered in the order of first use
-        self.launches = launches  # (runner, template): template entries (0, input index), (1, buffer), (2, value)
+        self.launches = launches  # (runner, template): template entries as above
         self.outputs = outputs    # template entries, as above
         # How many buffers exist before each launch: those it or an earlier launch uses. A replay allocates each
         # buffer just before the first launch that needs it, so on a call bound by the host the first kernel is
         # on its way while the later buffers are being allocated.
         self.before, count = [], 0
         for _, template in launches:
-            count = max([count, *(x + 1 for kind, x in template if kind == 1)])
+            count = max([count, *(x + 1 for kind, x in template if kind == 1),
+                         *(x[1] + 1 for kind, x in template if kind == 3 and x[0] == 1)])
             self.before.append(count)
         # A replay works in one list, its pool: a slot per buffer, then every value the launches pass, then the
         # call's inputs. Each launch's arguments are picked from the pool by one operator.itemgetter (C code),
         # not rebuilt by a Python loop over its template (a dozen to two dozen entries a launch).
         direct = _direct_launches(launches)
         values: list = []
+        derived: list = [[] for _ in launches]  # per launch: (pool index, its tensor's pool index, descriptor)
 
-        def slot(kind, x):  # a pool index; an input's is negative until the values are counted
+        def slot(kind, x, n=None):  # a pool index; an input's is negative until the values are counted
             if kind == 1:
                 return x
             if kind == 2:
                 values.append(x)
                 return len(buffers) + len(values) - 1
+            if kind == 3:  # a slot of its own, filled at each replay just before launch n
+                values.append(None)
+                derived[n].append((len(buffers) + len(values) - 1, slot(*x[:2]), x[2]))
+                return derived[n][-1][0]
             return -1 - x
 
-        picks = [[slot(kind, x) for kind, x in template] for _, template in launches]
+        picks = [[slot(kind, x, n) for kind, x in template] for n, (_, template) in enumerate(launches)]
         rests = [[slot(2, x) for x in rest] for *_, rest in direct[1]] if direct is not None else None
         out = [slot(kind, x) for kind, x in outputs]
         first_input = len(buffers) + len(values)
@@ -275,7 +287,8 @@ class LaunchPlan:
         for n, ((runner, _), ix) in enumerate(zip(launches, picks)):
             new = range(self.before[n - 1] if n else 0, self.before[n])
             allocs = tuple((b, *buffers[b]) for b in new)
-            self._steps.append((allocs, runner, _picker(place(ix)),
+            rebuilt = tuple((at, *place([of]), desc) for at, of, desc in derived[n])
+            self._steps.append((allocs, rebuilt, runner, _picker(place(ix)),
                                 None if rests is None else _picker(place(ix) + place(rests[n]))))
         self._direct = None if direct is None else (direct[0], tuple(call[:6] for call in direct[1]))
         self._pick_outputs = _picker(place(out))
@@ -291,14 +304,18 @@ class LaunchPlan:
             # and three integers through the launcher alone, 15 us through _run_compiled.
             device, calls = self._direct
             stream = torch._C._cuda_getCurrentRawStream(device)
-            for (allocs, _, _, pick), (run, x, y, z, function, packed) in zip(self._steps, calls):
+            for (allocs, rebuilt, _, _, pick), (run, x, y, z, function, packed) in zip(self._steps, calls):
                 for b, shape, stride, dtype, on in allocs:
                     pool[b] = empty(shape, stride, dtype=dtype, device=on)
+                for at, of, desc in rebuilt:
+                    pool[at] = replace(desc, base=pool[of])
                 run(x, y, z, stream, function, packed, None, None, None, *pick(pool))
         else:
-            for allocs, runner, pick, _ in self._steps:
+            for allocs, rebuilt, runner, pick, _ in self._steps:
                 for b, shape, stride, dtype, on in allocs:
                     pool[b] = empty(shape, stride, dtype=dtype, device=on)
+                for at, of, desc in rebuilt:
+                    pool[at] = replace(desc, base=pool[of])
                 runner(*pick(pool))
         return self._pick_outputs(pool)
 
@@ -352,8 +369,11 @@ def _build_plan(recorder, inputs, result):
     buffers, where = [], {}
 
     def entry(x):
-        if isinstance(x, TensorDescriptor):
-            raise _NotReplayable  # it holds its tensor's address: a replay would launch on the recorded call's tensor
+        if isinstance(x, TensorDescriptor):  # rebuilt at each replay on the replay's tensor (LaunchPlan)
+            kind, at = entry(x.base)
+            if kind == 2:
+                raise _NotReplayable
+            return 3, (kind, at, x)
         if not isinstance(x, torch.Tensor):
             return 2, x
         if id(x) in index:

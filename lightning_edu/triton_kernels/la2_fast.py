@@ -506,7 +506,7 @@ def value_slices(d_v: int, block_dv: int | None) -> tuple[int, int]:
 
 def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, num_warps, num_stages, seg_len,
                   local_states=None, incoming=None, store_incoming=False, out=None, seg_t=False,
-                  final_state=True, fast_pass=None):
+                  final_state=True, fast_pass=None, tma=False):
     """o_p = q_p sum_{p'<=p} lambda^(p-p') k_p'^T v_p' (+ lambda^(p+1) q_p S0) in processing order p, written into
     ``out`` when given (v's shape, from :func:`output_like`), else into ``output_like(v)``.
 
@@ -519,8 +519,10 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     ``final_state`` False: no final state is stored, nor allocated (None in its place; the dQ pass has no use for
     one).
     ``fast_pass``: another kernel for the fast pass, on this plan (segments, pre-pass, flags; the exact pass is
-    la2_fast's), launched as ``fast_pass(grid, q, k, v, o, s0, sn, seg, flags, log2_decay, n, heads, seg_len, meta)``
-    in place of la2_fast's. la2_tma's, in time order, storing the final state and no incoming states.
+    la2_fast's), launched as ``fast_pass(grid, args, meta)`` with the positional arguments and the constants
+    (STORE_SN and STORE_INC among them) that la2_fast's kernel would get, in its place. la2_tma's.
+    ``tma``: with no ``fast_pass`` given, la2_tma's where its descriptors can hold these tensors
+    (:func:`~.la2_tma.fast_pass_for`), else la2_fast's kernel. In time order only.
     """
     import torch
 
@@ -548,6 +550,10 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     programs = batch * heads * num_seg * slices
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
     sn_arg = unused if sn is None else sn
+    if tma and fast_pass is None and not reverse:
+        from .la2_tma import fast_pass_for
+
+        fast_pass = fast_pass_for(q, k, v, o)
     args = (q, k, v, o, s0, sn_arg, seg, inc, flags, log2_decay, n, heads, seg_len, programs, *_strides(q, k, v, o))
     meta.update(HAS_S0=initial_state is not None, SEG_IS_INCOMING=incoming is not None, num_warps=num_warps,
                 num_stages=num_stages, CONTIGUOUS=all(x.is_contiguous() for x in (q, k, v, o)),
@@ -556,7 +562,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     if fast_pass is None:
         launch(_la2_fast_forward_kernel, grid)(*args, **meta, STORE_SN=final_state, STORE_INC=store_incoming)
     else:
-        fast_pass(grid, q, k, v, o, s0, sn_arg, seg, flags, log2_decay, n, heads, seg_len, meta)
+        fast_pass(grid, args, {**meta, "STORE_SN": final_state, "STORE_INC": store_incoming})
     exact_pass(args, meta, programs, q.device)
     aux = {"seg_len": seg_len, "local": None if incoming is not None else seg, "incoming": inc if store_incoming else None}
     return o, sn, aux
@@ -598,12 +604,14 @@ def sliced_plan(q, v, block: int) -> tuple[int, int, int] | None:
 
 def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None = None, block_dv: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, seg_len: int | None = None,
-                     save_states: bool = False):
+                     save_states: bool = False, tma: bool | None = None):
     """Segmented forward. Returns (o, final_state fp32), or (o, final_state, saved) with ``save_states``:
     ``saved = (seg_len, incoming)`` holds every segment's incoming state for la2_fast_backward's dQ pass
     (``incoming`` is None when the sequence is one segment: then there is nothing to save). Tiles left None
     are the backend's (:func:`backend_tiles`); with none given and no states to save, a 16-bit forward on a GPU
-    takes :func:`sliced_forward`'s plan where it applies, as the backend does.
+    takes :func:`sliced_forward`'s plan where it applies, as the backend does. ``tma``: the main kernel's tiles
+    loaded through tensor descriptors (:mod:`.la2_tma`, where the tensors allow), or not; None: as the backend
+    does (:func:`~.la2_tma.backend_takes`).
     bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
     refuse_interpreted_bf16("la2_fast_forward", q, k, v)
     backend_picks = (block, block_dv, num_warps, num_stages, seg_len) == (None,) * 5 and not save_states
@@ -613,7 +621,7 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None 
         block_dv, num_stages, seg_len = plan
     s0 = dense(initial_state.float()) if initial_state is not None else None
     o, sn, aux = _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len,
-                               store_incoming=save_states)
+                               store_incoming=save_states, tma=_tma(tma, q, v))
     return (o, sn, (aux["seg_len"], aux["incoming"])) if save_states else (o, sn)
 
 
@@ -621,7 +629,8 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
                       block_dv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                       seg_len: int | None = None,
                       fused_dkdv: bool = False, dkdv_block: int | None = None, dkdv_warps: int = 8,
-                      dkdv_stages: int | None = None, saved=None, d_initial_state: bool = True):
+                      dkdv_stages: int | None = None, saved=None, d_initial_state: bool = True,
+                      tma: bool | None = None):
     """Segmented backward. Returns (dq, dk, dv, d_initial_state fp32); None in place of d_initial_state when
     ``d_initial_state`` is False (autograd asks for it only when an initial state requires a gradient).
 
@@ -634,13 +643,13 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     gives dQ every segment's incoming state KV^T, so it skips its pre-pass over K and V. And the dV and dK
     passes read the same (Q, dO) in the same order: dK reuses dV's segment states, transposed.
 
-    Tiles left None are the backend's (:func:`backend_tiles`). bfloat16 is refused in the CPU interpreter
-    (TypeError): its bf16 arithmetic is wrong.
+    Tiles left None are the backend's (:func:`backend_tiles`); ``tma`` is the dQ pass's (:func:`dq_pass`).
+    bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong.
     """
     refuse_interpreted_bf16("la2_fast_backward", q, k, v, do)
     block, block_dv, num_warps, num_stages = backend_tiles(q, v, block, block_dv, num_warps, num_stages)
 
-    dq = dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved)
+    dq = dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved, tma)
     if fused_dkdv:
         dk, dv, x_end = _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages, seg_len,
                                     dkdv_block, dkdv_warps, dkdv_stages)
@@ -656,15 +665,28 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     return finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_initial_state)
 
 
-def dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved):
+def dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, num_stages, seg_len, saved,
+            tma: bool | None = None):
     """dQ: the forward with (query, key, value) = (dO, V, K); its state is KV^T, starting from S0^T. With
-    ``saved`` (the forward's segment states) no pre-pass over K and V runs. dQ is laid out as q (output_like)."""
+    ``saved`` (the forward's segment states) no pre-pass over K and V runs. dQ is laid out as q (output_like).
+    ``tma``: its tiles through descriptors or not, as :func:`la2_fast_forward`'s."""
     s0t = dense(initial_state.float().transpose(-1, -2)) if initial_state is not None else None
     cfg = (block, block_dv, num_warps, num_stages)
+    tma = _tma(tma, do, k)
     if saved is not None and saved[1] is not None:  # KV at each segment start: dQ's states are KV^T (seg_t)
         return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, saved[0], incoming=saved[1], seg_t=True,
-                             out=output_like(q), final_state=False)[0]
-    return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, out=output_like(q), final_state=False)[0]
+                             out=output_like(q), final_state=False, tma=tma)[0]
+    return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, out=output_like(q), final_state=False,
+                         tma=tma)[0]
+
+
+def _tma(tma: bool | None, q, v) -> bool:
+    """A launcher's ``tma`` option: as given, or None: the backend's choice (:func:`~.la2_tma.backend_takes`)."""
+    if tma is not None:
+        return bool(tma)
+    from .la2_tma import backend_takes
+
+    return backend_takes(q, v)
 
 
 def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_initial_state: bool = True):

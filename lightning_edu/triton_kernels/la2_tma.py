@@ -21,6 +21,8 @@ other inputs (ValueError). In the CPU interpreter descriptors are emulated, so t
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
@@ -30,20 +32,23 @@ from ._tiles import (
 )
 from .la2_fast import _forward_form, _incoming_state, backend_tiles, in_place, output_like
 
-__all__ = ["la2_tma_forward", "tma_ready"]
+__all__ = ["la2_tma_forward", "tma_ready", "backend_takes", "fast_pass_for", "BACKEND"]
 
 
 @triton.jit(do_not_specialize=["H"])
 def _tma_forward_kernel(
-    q_desc, k_desc, v_desc, o_desc, S0, SN, SEG, FLAG, LOG2_DECAY, n, H, seg_len,
+    q_desc, k_desc, v_desc, o_desc, S0, SN, SEG, INC, FLAG, LOG2_DECAY, n, H, seg_len,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_S0: tl.constexpr, STORE_SN: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_S0: tl.constexpr, STORE_SN: tl.constexpr, SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr,
+    PRECISION: tl.constexpr, SEG_T: tl.constexpr,
 ):
     """Algorithm 1 over one segment, tiles through descriptors. Grid (batch*heads, num_segments, slices of d_v).
 
     The descriptors cover (batch, heads, n, d) tensors with tiles of (1, 1, BLOCK, PAD_K) for q and k and
-    (1, 1, BLOCK, BLOCK_DV) for v and o. SEG holds every segment's local state (la2_fast's pre-pass); FLAG one
-    non-finite flag per program, in la2_fast's order, for its exact pass.
+    (1, 1, BLOCK, BLOCK_DV) for v and o. SEG holds every segment's local state (la2_fast's pre-pass), or with
+    SEG_IS_INCOMING its incoming state (saved by the forward: the dQ pass), transposed with SEG_T; STORE_INC saves
+    the incoming states to INC, STORE_SN the final state to SN, as la2_fast's kernel does. FLAG: one non-finite
+    flag per program, in la2_fast's order, for its exact pass.
     """
     bh = tl.program_id(0)
     seg = tl.program_id(1)
@@ -58,12 +63,16 @@ def _tma_forward_kernel(
     S0 += head_start(bh, 1, D_K * D_V)
     SN += head_start(bh, 1, D_K * D_V)
     SEG += head_start(bh, num_seg, D_K * D_V)
+    INC += head_start(bh, num_seg, D_K * D_V)
     offs_r = tl.arange(0, BLOCK)
     offs_k = tl.arange(0, PAD_K)
     offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
     state_offs = offs_k[:, None] * D_V + offs_v[None, :]
     state_ok = (offs_k < D_K)[:, None] & (offs_v < D_V)[None, :]
-    kv = _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok, D_K, D_V, PAD_K, BLOCK_DV, HAS_S0)
+    kv = _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok, D_K, D_V, PAD_K, BLOCK_DV, HAS_S0,
+                         SEG_IS_INCOMING, SEG_T)
+    if STORE_INC:
+        tl.store(INC + seg * D_K * D_V + state_offs, kv, mask=state_ok)
     mask = decay_tile(log2_lam, offs_r, offs_r, False)
     q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
     start = seg * seg_len
@@ -86,6 +95,35 @@ def _tma_forward_kernel(
     flag_nonfinite(flag, kv)
 
 
+BACKEND = True
+"""Whether the backend's passes in time order (the forward, the backward's dQ pass) load their tiles through
+descriptors where :func:`backend_takes` says so. Set it to False to run la2_fast's pointer kernel everywhere."""
+
+
+def backend_takes(q, v) -> bool:
+    """Whether the backend's passes in time order on tensors like q (batch, heads, n, d_k) and v (..., d_v) take
+    descriptor tiles (:data:`BACKEND` on): 16-bit tiles on a GPU of compute capability 9.0 or later, with
+    64 < max(d_k, d_v) <= 128, where they were measured faster (chapter 07). The launchers still ask
+    :func:`tma_ready` of the call's tensors."""
+    import torch
+
+    return (BACKEND and q.dtype in (torch.float16, torch.bfloat16) and 64 < max(q.shape[-1], v.shape[-1]) <= 128
+            and q.is_cuda and not interpreted(q) and _capability(q.device.index) >= (9, 0))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(index)
+
+
+def fast_pass_for(q, k, v, o):
+    """The fast pass :func:`~.la2_fast._forward_form` takes when asked for descriptor tiles: this module's, when
+    :func:`tma_ready` accepts the call's tensors; else None (la2_fast's pointer kernel)."""
+    return _tma_fast_pass if tma_ready(q, k, v, o) is None else None
+
+
 def tma_ready(*tensors) -> str | None:
     """Why these (batch, heads, n, d) tensors cannot be read through tensor descriptors, or None when they can:
     a GPU of compute capability 9.0 or later (or the interpreter), the last stride 1, and the base and every other
@@ -93,7 +131,7 @@ def tma_ready(*tensors) -> str | None:
     import torch
 
     for x in tensors:
-        if x.is_cuda and not interpreted(x) and torch.cuda.get_device_capability(x.device) < (9, 0):
+        if x.is_cuda and not interpreted(x) and _capability(x.device.index) < (9, 0):
             return f"tensor descriptors need a GPU of compute capability 9.0 or later, got {torch.cuda.get_device_name(x.device)}"
         size = x.element_size()
         if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s * size % 16 for s in x.stride()[:-1]):
@@ -122,14 +160,23 @@ def la2_tma_forward(q, k, v, log2_decay, initial_state=None, block: int | None =
     return o, sn
 
 
-def _tma_fast_pass(grid, q, k, v, o, s0, sn, seg, flags, log2_decay, n, heads, seg_len, meta):
-    """The fast pass through descriptors, as la2_fast's ``_forward_form`` launches it (its ``fast_pass``)."""
+def _tma_fast_pass(grid, args, meta):
+    """The fast pass through descriptors, as la2_fast's ``_forward_form`` launches it (its ``fast_pass``): ``args``
+    and ``meta`` are what it hands la2_fast's kernel (tensors first, then the integers and strides; the constants).
+    In time order only: a reversed pass reads its rows backwards, which a tile's coordinates cannot say."""
+    if meta["REVERSE"]:
+        raise ValueError("la2_tma: descriptor tiles run the passes in time order only, got REVERSE=True")
+    q, k, v, o, s0, sn, seg, inc, flags, log2_decay, n, heads, seg_len = args[:13]
+    names = ("D_K", "D_V", "PAD_K", "BLOCK_DV", "BLOCK", "HAS_S0", "STORE_SN", "SEG_IS_INCOMING", "STORE_INC",
+             "PRECISION", "SEG_T", "num_warps", "num_stages")
+    launch(_tma_forward_kernel, grid)(
+        descriptor(q, meta["BLOCK"], meta["PAD_K"]), descriptor(k, meta["BLOCK"], meta["PAD_K"]),
+        descriptor(v, meta["BLOCK"], meta["BLOCK_DV"]), descriptor(o, meta["BLOCK"], meta["BLOCK_DV"]), s0, sn,
+        seg, inc, flags, log2_decay, n, heads, seg_len, **{name: meta[name] for name in names})
+
+
+def descriptor(x, rows: int, columns: int):
+    """A tensor descriptor of the (batch, heads, n, d) tensor x, its tiles (1, 1, rows, columns)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    def desc(x, width):
-        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, meta["BLOCK"], width])
-
-    names = ("D_K", "D_V", "PAD_K", "BLOCK_DV", "BLOCK", "HAS_S0", "PRECISION", "num_warps", "num_stages")
-    launch(_tma_forward_kernel, grid)(
-        desc(q, meta["PAD_K"]), desc(k, meta["PAD_K"]), desc(v, meta["BLOCK_DV"]), desc(o, meta["BLOCK_DV"]), s0, sn,
-        seg, flags, log2_decay, n, heads, seg_len, **{name: meta[name] for name in names}, STORE_SN=True)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, columns])
