@@ -105,7 +105,7 @@ def test_the_backends_passes_in_time_order_take_descriptor_tiles_bit_for_bit(dev
         assert len(seen) == 2  # the forward's fast pass and dQ's, with tma=True only
     synchronize(device)
     assert (saved[1] is not None) == segments  # more than one segment: the incoming states stored, and read by dQ
-    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
     assert relative_error(runs[True][0], blockwise_forward(_np(q), _np(k), _np(v), np.exp2(_np(l2)), 64, _np(s0))[0]) < BOUNDS[dtype]
 
 
