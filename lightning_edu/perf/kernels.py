@@ -53,7 +53,8 @@ METRICS = {  # the record's name -> the Nsight Compute metric (Hopper)
     "blocks_per_sm_shared": "launch__occupancy_limit_shared_mem",
 }
 
-KERNELS = ("_la2_fast_forward_kernel", "_la2_fast_dkdv_kernel", "_la3_dkdv_kernel", "_segment_state_kernel")
+KERNELS = ("_la2_fast_forward_kernel", "_tma_forward_kernel", "_la2_fast_dkdv_kernel", "_la3_dkdv_kernel",
+           "_segment_state_kernel")
 """The kernels the backend launches (ncu profiles only these)."""
 
 _CHILD = r"""
@@ -287,8 +288,8 @@ def main(argv=None) -> int:
                       f"{x['written_tensors']:.2f} tensors {x['dram_TBps']} TB/s ({x['dram_pct_of_peak']}% of peak) "
                       f"L2 hit {x['l2_hit_pct']}% tensor pipe {x['tensor_pipe_pct']}% warps {x['warps_active_pct']}"
                       f"/{x['warps_limit_pct']}% regs {x['registers']}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+            with open(args.out, "w") as f:  # after every shape: a run cut short still leaves what it measured
+                json.dump(record, f, indent=1)
     return 0
 
 
