@@ -5,7 +5,7 @@
 bf16, 16 heads, 32K tokens per call (B = 32768 / T; 1 x 128K at T = 128K), the benchmark's per-head decays, head
 dim 64 and 128, T = 2K, 8K, 32K, 128K. At each shape and each tile configuration of :data:`TILES` (``backend``:
 the backend's tiles for the shape; the others as named), the GPU's time of one forward with the same tiles and
-segments through :func:`~lightning_edu.triton_kernels.la2_fast.la2_fast_forward` (pointers) and through
+segments through :func:`~lightning_edu.triton_kernels.la2_fast.la2_fast_forward` (pointers: ``tma=False``) and through
 :func:`~lightning_edu.triton_kernels.la2_tma.la2_tma_forward` (descriptors): median of
 ``triton.testing.do_bench_cudagraph``, each forward (pre-pass, main kernel, exact pass) captured in a CUDA graph
 and replayed, so no host time counts. Whether the two outputs agree bit for bit. ``backend_ms``: the backend's
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
             cfg = dict(zip(("block", "block_dv", "num_warps", "num_stages"), tiles or backend_tiles(q, v)))
             if cfg["block_dv"] is not None and cfg["block_dv"] > d:
                 continue  # d_v whole is the 64 columns at d = 64
-            pointers = lambda: la2_fast_forward(q, k, v, log2_decay, **cfg)  # noqa: E731
+            pointers = lambda: la2_fast_forward(q, k, v, log2_decay, **cfg, tma=False)  # noqa: E731
             descriptors = lambda: la2_tma_forward(q, k, v, log2_decay, **cfg)  # noqa: E731
             row["tiles"].append({
                 "name": name, **cfg, "pointers_ms": do_bench_cudagraph(pointers, return_mode="median"),
