@@ -133,13 +133,14 @@ def test_the_backends_replayed_forward_rebuilds_its_descriptors(device, monkeypa
 
 
 @on("cuda")
-def test_the_backend_takes_descriptor_tiles_for_16_bit_heads_of_65_to_128(device):
-    from lightning_edu.triton_kernels.la2_tma import backend_takes
+def test_the_backend_takes_descriptor_tiles_for_16_bit_heads_of_65_to_128_in_calls_of_many_rows(device):
+    from lightning_edu.triton_kernels.la2_tma import MIN_ROWS, backend_takes
 
-    def x(d, dtype=torch.bfloat16):
-        return torch.empty(1, 1, 16, d, device=device, dtype=dtype)
+    def x(d, dtype=torch.bfloat16, rows=MIN_ROWS):
+        return torch.empty(2, 4, rows // 8, d, device=device, dtype=dtype)
 
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    assert backend_takes(x(128), x(128)) == hopper and backend_takes(x(64), x(96), ) == hopper
+    assert backend_takes(x(128), x(128)) == hopper and backend_takes(x(64), x(96)) == hopper
     assert not backend_takes(x(64), x(64)) and not backend_takes(x(256), x(256))
     assert not backend_takes(x(128, torch.float32), x(128, torch.float32))
+    assert not backend_takes(x(128, rows=MIN_ROWS - 8), x(128, rows=MIN_ROWS - 8))  # a short call: bound by the host

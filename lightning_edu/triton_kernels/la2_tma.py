@@ -12,7 +12,8 @@ Everything else is la2_fast's: the segment pre-pass (with pointers), the incomin
 backward, or read from it), the block loop (Algorithm 1 with 16-bit dots and a float32 state), the non-finite flags
 and the exact pass. In time order only: the backward's reversed passes keep la2_fast's pointers.
 
-The backend runs it (:func:`backend_takes`: 16-bit tiles, 64 < d <= 128, compute capability 9.0 or later) as the
+The backend runs it (:func:`backend_takes`: 16-bit tiles, 64 < d <= 128, calls of 2^18 rows or more, compute
+capability 9.0 or later) as the
 fast pass of its passes in time order, the forward and the backward's dQ pass; its launch plans
 (:class:`~._tiles.LaunchPlan`) rebuild each descriptor on the replayed call's tensors. Chapter 07 measures the
 kernel against la2_fast's (``python -m lightning_edu.perf.tma``) and the backend with and without it
@@ -39,7 +40,7 @@ from ._tiles import (
 )
 from .la2_fast import _forward_form, _incoming_state, backend_tiles, in_place, output_like
 
-__all__ = ["la2_tma_forward", "tma_ready", "backend_takes", "fast_pass_for", "BACKEND"]
+__all__ = ["la2_tma_forward", "tma_ready", "backend_takes", "fast_pass_for", "BACKEND", "MIN_ROWS"]
 
 
 @triton.jit(do_not_specialize=["H"])
@@ -107,15 +108,28 @@ BACKEND = True
 descriptors where :func:`backend_takes` says so. Set it to False to run la2_fast's pointer kernel everywhere."""
 
 
+MIN_ROWS = 2**18
+"""The fewest rows (batch * heads * n) of a call whose passes :func:`backend_takes` gives descriptor tiles."""
+
+
 def backend_takes(q, v) -> bool:
     """Whether the backend's passes in time order on tensors like q (batch, heads, n, d_k) and v (..., d_v) take
     descriptor tiles (:data:`BACKEND` on): 16-bit tiles on a GPU of compute capability 9.0 or later, with
-    64 < max(d_k, d_v) <= 128, where they were measured faster (chapter 07). The launchers still ask
-    :func:`tma_ready` of the call's tensors."""
+    64 < max(d_k, d_v) <= 128, and at least :data:`MIN_ROWS` rows, where they were measured faster (chapter 07).
+    The launchers still ask :func:`tma_ready` of the call's tensors.
+
+    Why a least size. A descriptor costs the host: built at every call (or rebuilt at every replay, 4-6 us each on
+    an H100 machine's host), and encoded again by Triton's launcher at every launch; a forward + backward takes
+    eight. A short call is bound by the host, and there the descriptors made it slower: a forward + backward of
+    1 x 4 x 256 at d = 128 (``bench --tiny``, three runs on one H100, notebooks/data/tiny_tma_h100.json) took
+    0.726 / 0.805 / 0.929 ms with them against 0.601 / 0.433 / 0.678 ms without. From about 2^18 rows on, the GPU's
+    time for a forward + backward at d = 128 (about 0.5 ms) passes the host's for the call, which then overlaps it;
+    at 2^19 rows (16 heads x 32K tokens) the descriptors were faster at every length measured."""
     import torch
 
     return (BACKEND and q.dtype in (torch.float16, torch.bfloat16) and 64 < max(q.shape[-1], v.shape[-1]) <= 128
-            and q.is_cuda and not interpreted(q) and _capability(q.device.index) >= (9, 0))
+            and q.shape[0] * q.shape[1] * q.shape[2] >= MIN_ROWS and q.is_cuda and not interpreted(q)
+            and _capability(q.device.index) >= (9, 0))
 
 
 @functools.lru_cache(maxsize=None)
