@@ -144,3 +144,25 @@ def test_the_backend_takes_descriptor_tiles_for_16_bit_heads_of_65_to_128_in_cal
     assert not backend_takes(x(64), x(64)) and not backend_takes(x(256), x(256))
     assert not backend_takes(x(128, torch.float32), x(128, torch.float32))
     assert not backend_takes(x(128, rows=MIN_ROWS - 8), x(128, rows=MIN_ROWS - 8))  # a short call: bound by the host
+
+
+@on("cpu")
+def test_a_forward_with_no_backward_takes_d_v_whole_where_its_tiles_load_by_descriptor(device, monkeypatch):
+    # la2_fast.whole_dv_forward: the backend's plan (ops.launch_plan) and la2_fast_forward's own choice agree, only a
+    # forward that saves no states takes it, and the answer is la2_fast's with the slices' tiles.
+    from lightning_edu.triton_kernels import la2_fast, la2_tma, ops
+
+    monkeypatch.setattr(la2_tma, "backend_takes", lambda q, v: True)  # as on a Hopper GPU, for a long call
+    q, k, v, _, _, _ = kernel_inputs((1, 2, 70, 72, 80), device)
+    l2 = log2_decay_tensor(np.array([0.9, 1.0]), device)
+    cfg, _, _ = ops.launch_plan(q, v, None, save_states=False)
+    assert {key: cfg[key] for key in la2_fast.WHOLE_DV} == la2_fast.WHOLE_DV
+    assert ops.launch_plan(q, v, None, save_states=True)[0]["block_dv"] == 64  # a backward follows: the slices
+    seen = []
+    real = la2_fast._forward_form
+    monkeypatch.setattr(la2_fast, "_forward_form", lambda *a, **kw: seen.append(a[7]) or real(*a, **kw))
+    o, sn = la2_fast_forward(q, k, v, l2)
+    o2, s2 = la2_fast_forward(q, k, v, l2, tma=False)
+    assert seen == [128, 64]  # block_dv: d_v whole with descriptors, the slices without
+    ro, rs = blockwise_forward(_np(q), _np(k), _np(v), np.array([0.9, 1.0]), 64)
+    assert relative_error(o, ro) < 1e-5 and relative_error(sn, rs) < 1e-5 and relative_error(o, _np(o2)) < 1e-5

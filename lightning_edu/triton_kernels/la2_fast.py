@@ -41,6 +41,7 @@ from ._tiles import (
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
+           "whole_dv_forward", "WHOLE_DV",
            "sliced_forward", "SLICE", "value_slices",
            "finish_backward", "segment_states", "exact_pass", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
 
@@ -474,6 +475,27 @@ def sliced_forward(batch_heads: int, n: int, d_v: int, block: int, sm_count: int
     return SLICE, 3, cdiv(n, block) * block
 
 
+WHOLE_DV = dict(block_dv=128, num_warps=8, num_stages=3)
+"""The tiles of :func:`whole_dv_forward`: d_v whole (up to 128 columns), 8 warps for the d x d float32 state, 3 stages."""
+
+
+def whole_dv_forward(q, v) -> bool:
+    """Whether a forward with no backward to follow, where :func:`sliced_forward`'s plan does not apply, takes
+    :data:`WHOLE_DV` (one program per (batch, head) and segment, d_v whole) instead of the backend's 64-column
+    slices: where its tiles load through descriptors (:func:`~.la2_tma.backend_takes`, 64 < d <= 128).
+
+    With pointer loads d_v whole was the slower tiles wherever the slices fit in one wave (its 128 x 128 float32
+    state spilled registers); through descriptors it became the fastest segmented tiles at 128K. Measured on an
+    H100 (``python -m lightning_edu.perf.tma``, notebooks/data/tma_h100.json: bf16, d = 128, 16 heads, 32K tokens per
+    call, the GPU's time by CUDA graph), d_v whole through descriptors against the slices through descriptors:
+    1.248 against 1.310 ms at 1 x 128K, 0.331 against 0.330 ms at 1 x 32K. A backward keeps the slices: its
+    reversed passes load through pointers, where d_v whole is slower (:func:`~lightning_edu.triton_kernels.kernel_config`),
+    and the forward that saves states for it shares its tiles."""
+    from .la2_tma import backend_takes
+
+    return 64 < max(q.shape[-1], v.shape[-1]) <= 128 and backend_takes(q, v)
+
+
 def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: int) -> tuple[int, int, int]:
     """(block, num_warps, num_stages) of the segment pre-pass (``_segment_state_kernel``) for 16-bit inputs: 32-row
     blocks, 4 warps, 4 stages. The pre-pass only streams K and V through one dot per block, so it wants more
@@ -609,7 +631,8 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None 
     ``saved = (seg_len, incoming)`` holds every segment's incoming state for la2_fast_backward's dQ pass
     (``incoming`` is None when the sequence is one segment: then there is nothing to save). Tiles left None
     are the backend's (:func:`backend_tiles`); with none given and no states to save, a 16-bit forward on a GPU
-    takes :func:`sliced_forward`'s plan where it applies, as the backend does. ``tma``: the main kernel's tiles
+    takes :func:`sliced_forward`'s plan where it applies, else :func:`whole_dv_forward`'s tiles where they apply,
+    as the backend does. ``tma``: the main kernel's tiles
     loaded through tensor descriptors (:mod:`.la2_tma`, where the tensors allow), or not; None: as the backend
     does (:func:`~.la2_tma.backend_takes`).
     bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
@@ -619,6 +642,8 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None 
     plan = sliced_plan(q, v, block) if backend_picks else None
     if plan is not None:
         block_dv, num_stages, seg_len = plan
+    elif backend_picks and whole_dv_forward(q, v) and tma is not False:
+        block_dv, num_warps, num_stages = WHOLE_DV.values()
     s0 = dense(initial_state.float()) if initial_state is not None else None
     o, sn, aux = _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len,
                                store_incoming=save_states, tma=_tma(tma, q, v))

@@ -55,7 +55,9 @@ from torch import Tensor
 from ..torch_chunked import decay_gradient, first_derivative_only
 from . import _tiles, la2_tma
 from ._tiles import compile_ahead, interpreted, is_dense, record_plan, sm_count, upcast_for_interpreter
-from .la2_fast import choose_segments, la2_fast_forward, output_like, short_blocks, sliced_plan, value_slices
+from .la2_fast import (
+    WHOLE_DV, choose_segments, la2_fast_forward, output_like, short_blocks, sliced_plan, value_slices, whole_dv_forward,
+)
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
            "compute_dtype", "COMPILE_AHEAD", "ahead_key"]
@@ -82,7 +84,8 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
     ``la2_fast_forward`` picks when given no seg_len (its d_v slices, then
     :func:`~.la2_fast.choose_segments`); the forward op passes this seg_len to it explicitly, so the saved
     segment states always have the layout computed here. A forward that saves no states (no backward to follow)
-    may instead take :func:`~.la2_fast.sliced_forward`'s plan: 32-column slices of d_v as one segment.
+    may instead take :func:`~.la2_fast.sliced_forward`'s plan: 32-column slices of d_v as one segment; or, where
+    that does not apply and its tiles load through descriptors, d_v whole (:func:`~.la2_fast.whole_dv_forward`).
     """
     from . import tiles_for  # the package defines it before importing this module
 
@@ -93,6 +96,8 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
     if sliced is not None:
         block_dv, num_stages, seg_len = sliced
         return {**cfg, "block_dv": block_dv, "num_stages": num_stages}, seg_len, 1
+    if not save_states and block_size is None and whole_dv_forward(q, v):
+        cfg = {**cfg, **WHOLE_DV}
     _, slices = value_slices(d_v, cfg["block_dv"])  # as la2_fast_forward will
     num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sm_count(q.device), None,
                                        short_blocks(q.device))
