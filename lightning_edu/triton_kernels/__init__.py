@@ -93,6 +93,9 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     measured). In the interpreter float32 takes larger blocks (64 rows up to d = 64, 32 above):
     there a block's cost is per operation, not per element, and small blocks only mean more
     of them. ``block_size`` overrides the rows.
+    The same tiles hold where the passes in time order load them through tensor descriptors
+    (:func:`~.la2_tma.backend_takes`), but for a forward with no backward to follow, which may take other tiles
+    (:func:`~.la2_fast.sliced_forward`, :func:`~.la2_fast.whole_dv_forward`).
     Returns the keyword arguments of ``la2_fast_forward``/``la2_fast_backward``: block, block_dv,
     num_warps, num_stages.
     """
