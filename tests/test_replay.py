@@ -64,6 +64,26 @@ def test_a_replayed_call_gives_the_bits_of_its_launchers(device, shape, dtype, m
     assert again[0].isnan().any() and not again[0][:, :, : shape[2] // 2].isnan().any()  # causal
 
 
+@cases("shape,dtype", {"cuda": [((2, 3, 1000, 128, 128), torch.bfloat16), ((1, 2, 777, 128, 96), torch.float16)]})
+def test_a_replayed_call_with_descriptor_tiles_gives_the_bits_of_its_launchers(device, shape, dtype, monkeypatch):
+    # The forward and dQ pass through la2_tma's descriptors (la2_tma.MIN_ROWS lowered so that these short calls take
+    # them): each replay builds its descriptors on the replay's tensors and calls the compiled launchers directly.
+    from lightning_edu.triton_kernels import la2_tma
+
+    monkeypatch.setattr(la2_tma, "MIN_ROWS", 0)
+    q, k, v, do, l2 = _inputs(shape, dtype, device)
+    assert la2_tma.backend_takes(q, v) == (torch.cuda.get_device_capability() >= (9, 0))
+    first = _call(q, k, v, do, l2)  # records
+    plans = [*ops._FORWARD_PLANS.values(), *ops._BACKWARD_PLANS.values()]
+    assert len(plans) == 2 and all(plan is not None and plan._direct is not None for plan in plans)
+    if la2_tma.backend_takes(q, v):  # a descriptor in the forward's plan and in the backward's (dQ)
+        assert all(any(kind == 3 for _, template in plan.launches for kind, _ in template) for plan in plans)
+    q2, k2, v2, do2, _ = _inputs(shape, dtype, device, seed=1)
+    again = _call(q2, k2, v2, do2, l2)  # replayed
+    monkeypatch.setattr(ops, "REPLAY", False)
+    assert _same(again, _call(q2, k2, v2, do2, l2)) and _same(first, _call(q, k, v, do, l2))
+
+
 @cases("mode", {"cpu": ["inference_mode", "no_grad"], "cuda": ["inference_mode"]})
 def test_calls_under_inference_mode_record_and_replay(device, mode, monkeypatch):
     # tensors made under torch.inference_mode have no version counter: the record must not ask for one

@@ -5,8 +5,8 @@
 bf16, 16 heads, 32K tokens per call (B = 32768 / T; 1 x 128K at T = 128K), the benchmark's per-head decays, head
 dim 64 and 128, T = 2K, 8K, 32K, 128K. At each shape and each tile configuration of :data:`TILES` (``backend``:
 the backend's tiles for the shape; the others as named), the GPU's time of one forward with the same tiles and
-segments through :func:`~lightning_edu.triton_kernels.la2_fast.la2_fast_forward` (pointers: ``tma=False``) and through
-:func:`~lightning_edu.triton_kernels.la2_tma.la2_tma_forward` (descriptors): median of
+segments through :func:`~lightning_edu.triton_kernels.la2_fast.la2_fast_forward` (pointers: ``tma=False``) and
+through :func:`~lightning_edu.triton_kernels.la2_tma.la2_tma_forward` (descriptors): median of
 ``triton.testing.do_bench_cudagraph``, each forward (pre-pass, main kernel, exact pass) captured in a CUDA graph
 and replayed, so no host time counts. Whether the two outputs agree bit for bit. ``backend_ms``: the backend's
 own forward (its plan, the sliced one where it applies) timed the same way. ``floor_ms``: the 4-tensor HBM

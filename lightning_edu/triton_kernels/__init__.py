@@ -15,7 +15,8 @@ one pass      the forward in one kernel: segments hand states on (measured slowe
 ============  ======================================================================  ==========
 
 The backend (la2_fast's forward, la3's or la2_fast's backward by :func:`backward_kernel`; at 64 < d <= 128 on
-Hopper GPUs the passes in time order load their tiles through la2_tma's descriptors) runs through two
+Hopper GPUs, in calls of 2^18 rows or more, the passes in time order load their tiles through la2_tma's
+descriptors) runs through two
 ``torch.library`` custom ops, ``lightning_edu::la2_forward`` and ``lightning_edu::la2_backward`` (:mod:`.ops`),
 so that :func:`torch.compile` captures a model calling it without a graph break.
 

@@ -67,10 +67,10 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from dataclasses import replace
 import inspect
 import operator
 import os
+from dataclasses import replace
 
 import torch
 import triton

@@ -632,9 +632,8 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None 
     (``incoming`` is None when the sequence is one segment: then there is nothing to save). Tiles left None
     are the backend's (:func:`backend_tiles`); with none given and no states to save, a 16-bit forward on a GPU
     takes :func:`sliced_forward`'s plan where it applies, else :func:`whole_dv_forward`'s tiles where they apply,
-    as the backend does. ``tma``: the main kernel's tiles
-    loaded through tensor descriptors (:mod:`.la2_tma`, where the tensors allow), or not; None: as the backend
-    does (:func:`~.la2_tma.backend_takes`).
+    as the backend does. ``tma``: the main kernel's tiles loaded through tensor descriptors (:mod:`.la2_tma`, where
+    the tensors allow), or not; None: as the backend does (:func:`~.la2_tma.backend_takes`).
     bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
     refuse_interpreted_bf16("la2_fast_forward", q, k, v)
     backend_picks = (block, block_dv, num_warps, num_stages, seg_len) == (None,) * 5 and not save_states

@@ -13,14 +13,14 @@ backward, or read from it), the block loop (Algorithm 1 with 16-bit dots and a f
 and the exact pass. In time order only: the backward's reversed passes keep la2_fast's pointers.
 
 The backend runs it (:func:`backend_takes`: 16-bit tiles, 64 < d <= 128, calls of 2^18 rows or more, compute
-capability 9.0 or later) as the
-fast pass of its passes in time order, the forward and the backward's dQ pass; its launch plans
-(:class:`~._tiles.LaunchPlan`) rebuild each descriptor on the replayed call's tensors. Chapter 07 measures the
-kernel against la2_fast's (``python -m lightning_edu.perf.tma``) and the backend with and without it
+capability 9.0 or later) as the fast pass of its passes in time order, the forward and the backward's dQ pass; its
+launch plans (:class:`~._tiles.LaunchPlan`) rebuild each descriptor on the replayed call's tensors. Chapter 07
+measures the kernel against la2_fast's (``python -m lightning_edu.perf.tma``) and the backend with and without it
 (``python -m lightning_edu.perf.bench``, method ``triton_pointers``). On an H100 (bf16, d = 128, 16 heads, 32K
-tokens per call, the public call timed by ``do_bench``, medians of three interleaved rounds), forward 0.225 against
-0.293 ms at T = 2K, 0.252 / 0.276 at 8K, 0.343 / 0.354 at 32K, 1.291 / 1.377 at 128K; forward + backward 1.054
-against 1.108 ms at 2K, within 2 % either way at the longer lengths.
+tokens per call, the public call timed by ``do_bench``, medians of three interleaved rounds,
+notebooks/data/bench_h100_d128.json), forward 0.226 against 0.294 ms at T = 2K, 0.250 / 0.283 at 8K, 0.339 / 0.357
+at 32K, 1.227 / 1.377 at 128K (from 32K on with :func:`~.la2_fast.whole_dv_forward`'s tiles against the slices);
+forward + backward 1.054 against 1.109 ms at 2K, within 2 % either way at the longer lengths.
 
 A descriptor needs 16-byte aligned rows: the base and every stride but the last a multiple of 16 bytes (d a
 multiple of 8 in 16-bit dtypes, of 4 in float32); on a GPU, compute capability 9.0 or later. The launcher refuses
