@@ -70,6 +70,8 @@ def lightning_attention(
     refused with a ValueError.
 
     Non-finite inputs stay causal: an output is NaN or inf exactly when it depends on a NaN or inf input.
+    Meta tensors (a model traced on the meta device, with no data) get the shapes and dtypes of a real call on
+    the torch and triton backends, here, in :func:`lightning_attention_backward` and in the decoding step.
     On a machine without CUDA the "triton" backend runs Triton's CPU interpreter, whose bfloat16
     arithmetic is wrong: bfloat16 tensors are computed there in float32 and the output rounded to bfloat16.
 

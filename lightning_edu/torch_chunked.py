@@ -157,6 +157,8 @@ def masked_product(weights: torch.Tensor, keep: torch.Tensor, x: torch.Tensor) -
     weights (..., m, p); x is (..., p, d).
     """
     a = torch.where(keep, weights, 0.0)
+    if x.is_meta:  # shapes only (a model traced on the meta device): there are no values to look at
+        return a @ x
     if bool(torch.isfinite(x.sum())):  # the common case, in one cheap pass: a NaN or inf in x makes its sum NaN or inf
         return a @ x
     bad = ~torch.isfinite(x)  # (a sum can also overflow with every entry finite: then the entries decide)

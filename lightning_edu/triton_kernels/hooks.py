@@ -10,6 +10,8 @@ bf16 arithmetic is wrong); on a GPU bf16 runs in the kernels as it is.
 
 from __future__ import annotations
 
+import torch
+
 from . import log2_decay_tensor, tiles_for, triton_attention
 from ._tiles import cdiv, dense, upcast_for_interpreter
 from .la1 import la1_backward, la1_forward
@@ -82,6 +84,15 @@ def la2_fast_from_args(args, segments: bool = True, reuse_states: bool = True, f
 
 def la2_fast_backward_from_args(args, d_final_state=None, segments: bool = True, reuse_states: bool = True,
                                 fused_dkdv: bool = False, **options):
+    """The backend's backward kernels, or their sub-variants' (see :func:`la2_fast_from_args`). On meta tensors (a
+    model traced on the meta device, no data) the op's fake gives the gradients' shapes and dtypes, as the forward
+    does (:func:`~lightning_edu.triton_kernels.triton_attention`)."""
+    if args.q.is_meta:
+        from .ops import la2_backward
+
+        nothing_saved = args.q.new_empty(0, dtype=torch.float32)
+        return la2_backward(args.q, args.k, args.v, args.do, log2_decay_tensor(args.decay, args.q.device),
+                            args.initial_state, d_final_state, nothing_saved, args.block_size)
     q, k, v, do = _tensors(args.q, args.k, args.v, args.do)
     cfg, extra = _la2_fast_config(args, q, segments, fused_dkdv)
     dq, dk, dv, ds0 = la2_fast_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
@@ -119,8 +130,14 @@ def tma_from_args(args, **options):
 
 
 def decode_from_args(args, **options):
-    """One decoding step (a :class:`~lightning_edu.validation.StepArgs`): (o in v's dtype, new_state float32)."""
+    """One decoding step (a :class:`~lightning_edu.validation.StepArgs`): (o in v's dtype, new_state float32). On meta
+    tensors (no data) their shapes and dtypes, launching nothing."""
     from .decode import decode_step
+
+    if args.q.is_meta:
+        batch, heads, d_k = args.q.shape
+        d_v = args.v.shape[-1]
+        return args.v.new_empty(batch, heads, d_v), args.q.new_empty(batch, heads, d_k, d_v, dtype=torch.float32)
 
     q, k, v = _tensors(args.q, args.k, args.v)
     state = dense(args.state)
