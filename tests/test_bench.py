@@ -256,3 +256,34 @@ def test_every_measuring_module_answers_help_with_its_usage_and_writes_nothing(m
     assert status == 0
     assert f"lightning_edu.perf.{module}" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []  # "--help" was not taken for the output file
+
+
+def test_run_tiny_interleaves_its_methods_in_rounds(monkeypatch):
+    # The tiny call's loop on the CPU: every method timed once per round, in a rotated order, per head dim; the
+    # row holds the median over the rounds and the rounds' values; a method that raises keeps its error.
+    order = []
+
+    def make(name):
+        def made(q, k, v, decay, do):
+            def fwdbwd():
+                order.append((name, q.shape[-1]))
+                if name == "broken":
+                    raise RuntimeError("no such kernel")
+            return None, fwdbwd
+        return bench.Method(name, made)
+
+    monkeypatch.setattr(bench, "METHODS", {name: make(name) for name in ("ours", "theirs", "broken")})
+    monkeypatch.setattr(bench, "_inputs", lambda batch, heads, T, d, dtype: [torch.zeros(batch, heads, T, d)] * 4)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    walls = iter(range(1, 100))
+    monkeypatch.setattr("lightning_edu.perf.measure.median_time", lambda fn, repeat, warmup: (fn(), next(walls) / 1e3)[1])
+    args = types.SimpleNamespace(D=[16, 32], dtype="fp32", methods=["ours", "theirs", "broken"], rounds=3)
+    data = bench.run_tiny(args)
+    assert data["rounds"] == 3
+    rotated = ["ours", "theirs", "broken", "theirs", "ours", "ours", "theirs"]  # "broken" not called after its error
+    assert order == [(name, 16) for name in rotated] + [(name, 32) for name in rotated]
+    rows = {(r["method"], r["D"]): r for r in data["results"]}
+    assert rows["ours", 16]["fwdbwd_wall_ms_rounds"] == [1.0, 4.0, 5.0] and rows["ours", 16]["fwdbwd_wall_ms"] == 4.0
+    assert rows["theirs", 16]["fwdbwd_wall_ms_rounds"] == [2.0, 3.0, 6.0] and rows["ours", 32]["fwdbwd_wall_ms_rounds"] == [7.0, 10.0, 11.0]
+    assert rows["broken", 32] == {"method": "broken", "T": 256, "D": 32, "batch": 1, "heads": 4, "dtype": "fp32",
+                                  "error": "RuntimeError: no such kernel"}

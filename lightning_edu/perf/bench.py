@@ -3,6 +3,7 @@
     python -m lightning_edu.perf.bench --out bench.json                   # the chapter 07-08 table
     python -m lightning_edu.perf.bench --tune --out tune.json             # tile sweep of the la2_fast kernels
     python -m lightning_edu.perf.bench --tiny --out tiny.json             # a tiny call's wall time, host included
+    python -m lightning_edu.perf.bench --tiny --rounds 5 --out tiny.json  # the same, methods in interleaved rounds
     python -m lightning_edu.perf.bench --backward-on-caller --out b.json  # the table, backward on the calling thread
 
 For every sequence length T and head dim D (H heads, bf16, T * batch = 32K tokens per call) and every
@@ -22,6 +23,7 @@ before the registry name our kernels as in :data:`RECORDED_NAMES`; :func:`with_c
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -514,24 +516,31 @@ def run_tune(args) -> dict:
 def run_tiny(args, repeat: int = 200) -> dict:
     """Wall time of one small forward+backward (1 x 4 heads x 256 tokens), host included: what a call costs when the
     GPU work is too small to hide the Python, launches and allocations around it. Median of ``repeat`` calls, each
-    timed from the call to its gradients on the host clock (synchronised after each)."""
+    timed from the call to its gradients on the host clock (synchronised after each).
+
+    Such a call is bound by the host, whose pace drifts: single runs of this command on one H100 machine, minutes
+    apart, moved each method by 15-82 % (notebooks/data/tiny_h100.json). With ``--rounds R`` every method is timed
+    R times, in :func:`interleaved` rounds (each round times every method once, in a rotated order), and its row holds
+    the median over the rounds with the rounds' values: methods compared in one round met the same host."""
     import torch
 
     from .measure import median_time
 
     data = environment_record("python -m lightning_edu.perf.bench " + " ".join(sys.argv[1:]))
+    data["rounds"] = args.rounds
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     results = []
     for d in args.D:
         q, k, v, do = _inputs(1, 4, 256, d, dtype)
+
+        def measure(name):
+            _, fwdbwd = METHODS[name].make(q, k, v, head_decays(4), do)
+            synced = lambda: (fwdbwd(), torch.cuda.synchronize())  # noqa: E731
+            return {"fwdbwd_wall_ms": median_time(synced, repeat=repeat, warmup=20) * 1e3}
+
+        measured = interleaved({name: functools.partial(measure, name) for name in args.methods}, args.rounds)
         for name in args.methods:
-            row = {"method": name, "T": 256, "D": d, "batch": 1, "heads": 4, "dtype": args.dtype}
-            try:
-                _, fwdbwd = METHODS[name].make(q, k, v, head_decays(4), do)
-                synced = lambda: (fwdbwd(), torch.cuda.synchronize())  # noqa: E731
-                row["fwdbwd_wall_ms"] = median_time(synced, repeat=repeat, warmup=20) * 1e3
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            row = {"method": name, "T": 256, "D": d, "batch": 1, "heads": 4, "dtype": args.dtype, **measured[name]}
             print(f"tiny {name:<18} D={d}: {row.get('fwdbwd_wall_ms', math.nan):.3f} ms", flush=True)
             results.append(row)
     data["results"] = results
@@ -567,7 +576,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD",
                         help=f"any of: {' '.join(METHODS)} (or a recorded file's name: {' '.join(RECORDED_NAMES)})")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="interleaved rounds per shape: every method timed once per round, in a rotated order")
+                        help="interleaved rounds per shape (with --tiny: per head dim): every method timed once per "
+                             "round, in a rotated order")
     parser.add_argument("--backward-on-caller", action="store_true",
                         help="run every method's backward on the calling thread (autograd's multithreading off)")
     parser.add_argument("--tune", action="store_true", help="sweep la2_fast tile sizes instead")
