@@ -94,7 +94,7 @@ def test_forward_saves_no_states_when_asked_not_to(device):
 @on("cpu")
 @pytest.mark.parametrize("grad_mode,leaf_grad,want", [(True, True, True), (False, True, False), (True, False, False)])
 def test_backend_saves_states_only_when_a_gradient_can_be_asked_for(monkeypatch, device, grad_mode, leaf_grad, want):
-    """Both doors (the op, and the eager Function) run ops.forward_impl: the spy sits there."""
+    """Every door (the op, the eager Function, an inference call) runs ops.forward_impl: the spy sits there."""
     import lightning_edu.triton_kernels as tk
     from lightning_edu.triton_kernels import ops
 

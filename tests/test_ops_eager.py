@@ -158,3 +158,20 @@ def test_a_second_derivative_is_refused_not_dropped(door, how):
             loss.backward()
         else:
             torch.autograd.grad(loss, [q])
+
+
+def test_a_call_no_gradient_can_follow_runs_without_the_autograd_function(monkeypatch):
+    # Inference (grad mode off, or no input requiring a gradient) takes the kernels alone: the same bits, no
+    # Function, no segment states saved. A call that may be differentiated still takes the Function.
+    applied = []
+    real = tk.EagerLA2.apply
+    monkeypatch.setattr(tk.EagerLA2, "apply", lambda *a: applied.append(a[-1]) or real(*a))
+    q, k, v, s0 = _inputs(3)
+    with torch.no_grad():
+        o, sn = triton_attention(q, k, v, [0.9, 0.99], s0)
+    o2, sn2 = triton_attention(q, k, v, [0.9, 0.99], s0)  # grad mode on, but nothing requires a gradient
+    assert applied == [] and o.grad_fn is None and o2.grad_fn is None
+    leaf = q.clone().requires_grad_()
+    o3, sn3 = triton_attention(leaf, k, v, [0.9, 0.99], s0)
+    assert applied == [True] and o3.grad_fn is not None  # the Function, saving its states for the backward
+    assert all(torch.equal(a, b) for a, b in ((o, o2), (o, o3), (sn, sn2), (sn, sn3)))

@@ -344,9 +344,10 @@ class EagerLA2(torch.autograd.Function):
     measured on an H100 machine's host (torch 2.11, ``python -m lightning_edu.perf.host``, notebooks/data/host_h100.json)
     that came to 0.69 ms per forward + backward (1.46 against 0.77 ms, medians), when the replayed kernels of a short
     sequence cost the host 0.25 ms.
-    :func:`~lightning_edu.triton_kernels.triton_attention` takes this door for plain tensors in eager mode, and
-    the op under :func:`torch.compile` (which cannot trace a Triton launch inside a Function) and for tensor
-    subclasses (fake, functional and meta tensors know the op, not this class).
+    :func:`~lightning_edu.triton_kernels.triton_attention` takes this door for plain tensors in eager mode when a
+    gradient may follow (with none to follow it calls :func:`forward_impl` alone), and the op under
+    :func:`torch.compile` (which cannot trace a Triton launch inside a Function) and for tensor subclasses (fake,
+    functional and meta tensors know the op, not this class).
     """
 
     @staticmethod
