@@ -40,6 +40,7 @@ METHOD_COLORS = {
 BENCH_STYLES = {  # method (as perf.bench names it) -> (label, colour, marker, line style)
     "triton": ("LA-2 fast (ours, the backend)", METHOD_COLORS["triton"], "o", "-"),
     "triton_user": ("LA-2 fast, called as a model calls it", "#BB5566", ">", "--"),
+    "triton_pointers": ("LA-2 fast, tiles by pointer (no TMA)", "#994455", "d", "--"),
     "triton.la2_fast.one_segment": ("LA-2 fast without segments", "#EE7733", "s", ":"),
     "triton.la2_fast.no_state_reuse": ("LA-2 fast, backward without the saved states", "#CC3311", "p", ":"),
     "triton.la2_fast.fused_dkdv": ("LA-2 fast, fused dK/dV backward", "#EE3377", "<", ":"),
