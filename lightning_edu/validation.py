@@ -383,6 +383,8 @@ def validate_cu_seqlens(cu_seqlens: Any, total: int) -> tuple[int, ...]:
         values = cu_seqlens.tolist()
         ndim = cu_seqlens.ndim
     elif isinstance(cu_seqlens, (list, tuple)):
+        if any(isinstance(x, (list, tuple, np.ndarray)) for x in cu_seqlens):
+            raise ValueError(f"cu_seqlens must be 1-D (num_seqs + 1 boundaries), got nested {list(cu_seqlens)!r}")
         if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in cu_seqlens):
             raise TypeError(f"cu_seqlens must hold integers, got {list(cu_seqlens)!r}")
         values, ndim = [int(x) for x in cu_seqlens], 1

@@ -107,6 +107,7 @@ BAD = [
     ([0, 11], ValueError, "end at the packed length 12"),
     ([0], ValueError, "at least 2 boundaries"),
     (np.array([[0, 12]]), ValueError, "1-D"),
+    ([[0, 12]], ValueError, "1-D"),
     ([0.0, 12.0], TypeError, "integers"),
     (np.array([0.0, 12.0]), TypeError, "integers"),
     (torch.tensor([0.0, 12.0]), TypeError, "integers"),
