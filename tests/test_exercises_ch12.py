@@ -1,11 +1,11 @@
-"""Exercise 12.1 (the incoming state of every rank): a right answer passes on fixed and fresh inputs, and each
-planted mistake is rejected with the message that names it."""
+"""Exercises 12.1 (the incoming state of every rank) and 12.2 (a rank's outputs): a right answer passes on fixed
+and fresh inputs, and each planted mistake is rejected with the message that names it."""
 
 import numpy as np
 import pytest
 
 from lightning_edu.exercises import ExerciseError, IntegrityError
-from lightning_edu.exercises.ch12 import check_incoming_states, local_states, sequence_states
+from lightning_edu.exercises.ch12 import check_finish_outputs, check_incoming_states, local_states, sequence_states
 from lightning_edu.numpy_reference import causal_linear_recurrent
 
 
@@ -103,3 +103,77 @@ def test_incoming_states_that_divide_by_a_power_of_lambda_fail():
 
     with pytest.raises(ExerciseError, match="never divide by a power of lambda"):
         check_incoming_states(divided)
+
+
+def _finish(power=lambda t, n: t + 1, local=1.0, scale_local=False, transpose=False, head0=False):
+    def finish_outputs(o_local, q, incoming, lam):
+        lam = np.full_like(lam, lam[0]) if head0 else np.asarray(lam)
+        n = q.shape[1]
+        scale = (lam[:, None] ** power(np.arange(n), n)[None, :])[..., None]
+        state = incoming.transpose(0, 2, 1) if transpose else incoming
+        return scale * (o_local + q @ state) if scale_local else local * o_local + scale * (q @ state)
+
+    return finish_outputs
+
+
+def test_a_right_answer_to_12_2_passes_on_fixed_and_fresh_inputs(capsys):
+    check_finish_outputs(_finish())
+    check_finish_outputs(_finish(), seed=None)
+    assert capsys.readouterr().out.count("Correct:") == 2
+
+
+def test_the_12_2_reference_is_the_whole_sequences_outputs():
+    # what the check asks for, checked here against one call over the whole sequence (not against the formula)
+    rng = np.random.default_rng(1)
+    counts, lam = [4, 6], np.array([0.8, 1.0])
+    q, k = rng.standard_normal((2, 2, 10, 3))
+    v = rng.standard_normal((2, 10, 2))
+    s0 = rng.standard_normal((2, 3, 2))
+    whole = causal_linear_recurrent(q[None], k[None], v[None], lam, initial_state=s0[None])[0]
+    ins = sequence_states(k, v, lam, counts, s0)
+    for r, s in enumerate([slice(0, 4), slice(4, 10)]):
+        o_local = causal_linear_recurrent(q[None, :, s], k[None, :, s], v[None, :, s], lam)[0]
+        np.testing.assert_allclose(_finish()(o_local, q[:, s], ins[r], lam), whole[:, s], rtol=1e-12)
+
+
+@pytest.mark.parametrize("slip, words", [
+    (_finish(lambda t, n: 0 * t), "the incoming state is not decayed"),
+    (_finish(lambda t, n: t), "decayed by lam**t"),
+    (_finish(lambda t, n: t + 2), "decayed by lam**(t + 2)"),
+    (_finish(lambda t, n: n - t), "the powers run backwards"),
+    (_finish(local=0.0), "the local outputs are missing"),
+    (_finish(scale_local=True), "o_local was decayed along with the correction"),
+    (_finish(transpose=True), "the state is used transposed"),
+    (_finish(head0=True), "head 0's lambda"),
+])
+def test_each_usual_slip_of_12_2_is_named(slip, words):
+    with pytest.raises(ExerciseError, match="wrong") as info:
+        check_finish_outputs(slip)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("answer, words", [
+    (lambda o, q, s, lam: _finish()(o, q, s, lam) * np.nan, "NaN or inf"),
+    (lambda o, q, s, lam: _finish()(o, q, s, lam)[:, :-1], "expected (3, 6, 3)"),
+    (lambda o, q, s, lam: _finish()(o, q, s, lam).tolist(), "not an array"),
+    (lambda o, q, s, lam: None, "returned None"),
+    (lambda o, q, s, lam: o.__iadd__(_finish()(o, q, s, lam) - o), "in place"),
+    (lambda o, q, s, lam: 1 / 0, "raised ZeroDivisionError"),
+    (lambda o, q, s, lam: _finish()(o, q, s, lam) + 1e-3, "first at head 0, row 0"),
+])
+def test_wrong_outputs_of_12_2_get_a_message_never_a_traceback(answer, words):
+    with pytest.raises(ExerciseError) as info:
+        check_finish_outputs(answer)
+    assert words in str(info.value)
+
+
+def test_12_2_refuses_calling_the_package():
+    from lightning_edu import lightning_attention
+
+    def finish_outputs(o_local, q, incoming, lam):
+        lightning_attention(np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)), 1.0,
+                            backend="numpy")
+        return _finish()(o_local, q, incoming, lam)
+
+    with pytest.raises(IntegrityError, match="lightning_attention"):
+        check_finish_outputs(finish_outputs)

@@ -10,7 +10,15 @@
   state left out, the outgoing state returned instead of the incoming one, and head 0's lambda used for every
   head.
 
-Everything is float64 numpy with a heads axis first: states (heads, d_k, d_v), lam (heads,).
+* :func:`check_finish_outputs` -- the reader's ``finish_outputs(o_local, q, incoming, lam)``: a rank's outputs
+  from its local ones (its slice run from a zero state) and its incoming state. The reference is again the
+  token-by-token recurrence over the whole sequence, its rows of the rank's slice. Every rank of the same
+  layouts is checked, rank 0 of a sequence with an initial state among them. It recognises the decay forgotten,
+  a power one too many or too few, powers counted from the slice's end, the local outputs left out or decayed
+  too, the state transposed (where d_k = d_v lets it pass the shapes), and head 0's lambda used for every head.
+
+Everything is float64 numpy with a heads axis first: states (heads, d_k, d_v), lam (heads,), a slice's rows
+(heads, n_r, d).
 """
 
 from __future__ import annotations
@@ -20,15 +28,16 @@ import numpy as np
 from ..numpy_reference import causal_linear_recurrent
 from ._core import ExerciseError, call_reader, exercise, expect_shape, passed
 
-__all__ = ["check_incoming_states", "local_states", "sequence_states"]
+__all__ = ["check_incoming_states", "check_finish_outputs", "local_states", "sequence_states"]
 
 _RTOL = 1e-10
 _CASES = [  # (tokens per rank, d_k, d_v, lambda per head, with an initial state)
     ([5, 17, 1, 9], 4, 3, [0.9, 1.0, 1e-3], True),
     ([8, 8], 3, 5, [0.9, 0.5], False),
-    ([1, 1, 1, 1, 1], 2, 2, [0.7, 1.0], True),
+    ([1, 1, 1, 1, 1], 2, 2, [0.7, 1.0], True),  # d_k = d_v: a transposed state keeps its shape
     ([30, 2, 11], 5, 4, [0.99, 0.8, 0.95, 1e-3], True),
     ([60, 50, 3], 3, 2, [1e-3, 0.9], True),  # 1e-3^-110 overflows: a division by a power of lambda fails
+    ([6, 9, 4], 3, 3, [0.9, 1.0, 0.6], True),  # d_k = d_v and slices of several tokens (exercise 12.2 starts here)
 ]
 
 
@@ -183,3 +192,96 @@ def check_incoming_states(incoming_states, seed: int = 0) -> None:
                             f"rank {r}'s first token: IN_r = lam**n_(r-1) * IN_(r-1) + S_(r-1)")
     passed(f"incoming_states gives every rank the state of the whole sequence before its slice: {len(_CASES)} "
            "layouts, uneven slices, lambda = 1, 0.9 and 1e-3")
+
+
+def _finished(o_local, q, incoming, lam, power=lambda t, n: t + 1, local=1, scale_local=False, transpose=False):
+    """o_local + diag(lam**power(t)) q IN and its usual slips: ``local`` 0 leaves o_local out, ``scale_local``
+    decays it with the correction, ``transpose`` uses IN^T, ``power(t, n_r)`` gives row t's exponent."""
+    n = q.shape[1]
+    scale = lam[:, None] ** power(np.arange(n), n)[None, :]  # (heads, n_r)
+    state = incoming.transpose(0, 2, 1) if transpose else incoming
+    if scale_local:
+        return scale[..., None] * (o_local + q @ state)
+    return local * o_local + scale[..., None] * (q @ state)
+
+
+_FINISH_HINTS = {
+    "decay forgotten": "the incoming state is not decayed: row t of the slice is t + 1 tokens after the state IN_r, "
+                       "so its correction is lam**(t+1) * (q_t @ IN_r)",
+    "one power too few": "row t is decayed by lam**t: the state IN_r ends just before the slice, and row t = 0, the "
+                         "slice's first token, already multiplies it by lam once, so the power is t + 1",
+    "one power too many": "row t is decayed by lam**(t + 2): the state IN_r ends just before the slice, and row t "
+                          "(t = 0, 1, ...) is t + 1 tokens after it, so the power is t + 1",
+    "counted from the end": "the powers run backwards: the first row of the slice is the closest to IN_r (lam**1), "
+                            "the last the farthest (lam**n_r)",
+    "local left out": "the local outputs are missing: return o_local plus the correction, not the correction alone",
+    "local decayed too": "o_local was decayed along with the correction: the local outputs already hold their own "
+                         "decay (they come from the slice run from a zero state); only the term q_t @ IN_r is "
+                         "multiplied by lam**(t+1)",
+    "state transposed": "the state is used transposed: IN_r is (d_k, d_v), so the correction of row t is "
+                        "q_t @ IN_r, (d_k,) @ (d_k, d_v)",
+    "head 0": "every head uses head 0's lambda: lam has one value per head; broadcast it as lam[:, None]",
+}
+
+
+def _finish_variants(o_local, q, incoming, lam):
+    heads = lam.shape[0]
+    out = {
+        "decay forgotten": _finished(o_local, q, incoming, lam, power=lambda t, n: 0 * t),
+        "one power too few": _finished(o_local, q, incoming, lam, power=lambda t, n: t),
+        "one power too many": _finished(o_local, q, incoming, lam, power=lambda t, n: t + 2),
+        "counted from the end": _finished(o_local, q, incoming, lam, power=lambda t, n: n - t),
+        "local left out": _finished(o_local, q, incoming, lam, local=0),
+        "local decayed too": _finished(o_local, q, incoming, lam, scale_local=True),
+        "head 0": _finished(o_local, q, incoming, np.full(heads, lam[0])),
+    }
+    if incoming.shape[1] == incoming.shape[2]:
+        out["state transposed"] = _finished(o_local, q, incoming, lam, transpose=True)
+    return out
+
+
+@exercise("12.2", reveals=("_correct",))
+def check_finish_outputs(finish_outputs, seed: int = 0) -> None:
+    """``finish_outputs(o_local, q, incoming, lam) -> o``, one rank's outputs.
+
+    o_local: (heads, n_r, d_v), the rank's slice run from a zero state; q: (heads, n_r, d_k); incoming:
+    (heads, d_k, d_v), IN_r; lam: (heads,). o = o_local + diag(lam**(t+1)) q IN_r per head, t = 0..n_r - 1.
+    """
+    # The layouts with d_k = d_v first, longest slices first: there a transposed state keeps its shape and gets its
+    # hint (elsewhere its product raises), and a power off by one differs from no decay (a one-token slice has
+    # only row 0, where lam**t is lam**0).
+    for case in sorted(range(len(_CASES)), key=lambda c: (_CASES[c][1] != _CASES[c][2], -min(_CASES[c][0]))):
+        counts, d_k, d_v, lams, with_s0 = _CASES[case]
+        rng = np.random.default_rng(1400 + 17 * case + seed)
+        heads, n = len(lams), sum(counts)
+        lam = np.array(lams)
+        q, k = rng.standard_normal((2, heads, n, d_k))
+        v = rng.standard_normal((heads, n, d_v))
+        s0 = rng.standard_normal((heads, d_k, d_v)) if with_s0 else np.zeros((heads, d_k, d_v))
+        whole = causal_linear_recurrent(q[None], k[None], v[None], lam, initial_state=s0[None])[0]
+        ins = sequence_states(k, v, lam, counts, s0)
+        for r, s in enumerate(_slices(counts)):
+            o_local = causal_linear_recurrent(q[None, :, s], k[None, :, s], v[None, :, s], lam)[0]
+            where = (f"for rank {r} of {len(counts)} (ranks holding {counts} tokens, d_k = {d_k}, d_v = {d_v}, "
+                     f"lambda per head {lams}" + (")" if with_s0 else ", a zero initial state)"))
+            args = (o_local.copy(), q[:, s].copy(), ins[r].copy(), lam.copy())
+            out = call_reader(finish_outputs, "finish_outputs", args, where)
+            if not all(np.array_equal(a, b) for a, b in zip(args, (o_local, q[:, s], ins[r], lam))):
+                raise ExerciseError(f"finish_outputs changed its inputs in place {where}: build a new array")
+            got = expect_shape(f"the outputs {where}", out, (heads, counts[r], d_v)).astype(np.float64)
+            if not np.isfinite(got).all():
+                raise ExerciseError(f"the outputs {where} hold NaN or inf: with lambda in (0, 1] every power lam**(t+1) "
+                                    "is in [0, 1]; never divide by a power of lambda")
+            ref = whole[:, s]
+            scale = max(float(np.max(np.abs(ref))), 1.0)
+            if np.allclose(got, ref, rtol=_RTOL, atol=_RTOL * scale):
+                continue
+            for name, variant in _finish_variants(o_local, q[:, s], ins[r], lam).items():
+                if np.allclose(got, variant, rtol=_RTOL, atol=_RTOL * max(float(np.max(np.abs(variant))), 1.0)):
+                    raise ExerciseError(f"the outputs are wrong {where}: {_FINISH_HINTS[name]}")
+            bad = np.argwhere(~np.isclose(got, ref, rtol=_RTOL, atol=_RTOL * scale))[0]
+            raise ExerciseError(f"the outputs are wrong {where}, first at head {bad[0]}, row {bad[1]} of the slice: "
+                                f"{got[tuple(bad)]:.6g} against {ref[tuple(bad)]:.6g}. Row t must equal the output "
+                                "of the whole sequence: o_local[t] + lam**(t+1) * (q[t] @ IN_r), per head")
+    passed(f"finish_outputs gives every rank the outputs of the whole sequence: {len(_CASES)} layouts, every rank, "
+           "uneven slices, lambda = 1, 0.9 and 1e-3")
