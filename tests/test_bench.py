@@ -261,10 +261,12 @@ def test_every_measuring_module_answers_help_with_its_usage_and_writes_nothing(m
 def test_run_tiny_interleaves_its_methods_in_rounds(monkeypatch):
     # The tiny call's loop on the CPU: every method timed once per round, in a rotated order, per head dim; the
     # row holds the median over the rounds and the rounds' values; a method that raises keeps its error.
-    order = []
+    order, makes = [], []
 
     def make(name):
         def made(q, k, v, decay, do):
+            makes.append((name, q.shape[-1]))
+
             def fwdbwd():
                 order.append((name, q.shape[-1]))
                 if name == "broken":
@@ -282,6 +284,7 @@ def test_run_tiny_interleaves_its_methods_in_rounds(monkeypatch):
     assert data["rounds"] == 3
     rotated = ["ours", "theirs", "broken", "theirs", "ours", "ours", "theirs"]  # "broken" not called after its error
     assert order == [(name, 16) for name in rotated] + [(name, 32) for name in rotated]
+    assert makes == [(name, d) for d in (16, 32) for name in ("ours", "theirs", "broken")]  # once per method and D
     rows = {(r["method"], r["D"]): r for r in data["results"]}
     assert rows["ours", 16]["fwdbwd_wall_ms_rounds"] == [1.0, 4.0, 5.0] and rows["ours", 16]["fwdbwd_wall_ms"] == 4.0
     assert rows["theirs", 16]["fwdbwd_wall_ms_rounds"] == [2.0, 3.0, 6.0] and rows["ours", 32]["fwdbwd_wall_ms_rounds"] == [7.0, 10.0, 11.0]
