@@ -41,6 +41,18 @@ _CASES = [  # (tokens per rank, d_k, d_v, lambda per head, with an initial state
 ]
 
 
+def _draw(case: int, base: int):
+    """(lam, q, k, v, initial_state) of layout ``case`` of :data:`_CASES`, from the stream ``base + 17 * case``; the
+    initial state is zeros where the layout has none."""
+    counts, d_k, d_v, lams, with_s0 = _CASES[case]
+    rng = np.random.default_rng(base + 17 * case)
+    heads, n = len(lams), sum(counts)
+    q, k = rng.standard_normal((2, heads, n, d_k))
+    v = rng.standard_normal((heads, n, d_v))
+    s0 = rng.standard_normal((heads, d_k, d_v)) if with_s0 else np.zeros((heads, d_k, d_v))
+    return np.array(lams), q, k, v, s0
+
+
 def _slices(counts):
     ends = np.cumsum(counts)
     return [slice(int(e - c), int(e)) for c, e in zip(counts, ends)]
@@ -165,12 +177,8 @@ def check_incoming_states(incoming_states, seed: int = 0) -> None:
     IN_0 = initial_state and IN_r = lam**n_{r-1} IN_{r-1} + S_{r-1}, lam broadcast per head.
     """
     for case, (counts, d_k, d_v, lams, with_s0) in enumerate(_CASES):
-        rng = np.random.default_rng(1300 + 17 * case + seed)
-        heads, n = len(lams), sum(counts)
-        lam = np.array(lams)
-        q, k = rng.standard_normal((2, heads, n, d_k))
-        v = rng.standard_normal((heads, n, d_v))
-        s0 = rng.standard_normal((heads, d_k, d_v)) if with_s0 else np.zeros((heads, d_k, d_v))
+        lam, q, k, v, s0 = _draw(case, 1300 + seed)
+        heads = len(lams)
         states = local_states(q, k, v, lam, counts)
         ref = sequence_states(k, v, lam, counts, s0)
         where = (f"for {len(counts)} ranks holding {counts} tokens, lambda per head {lams}"
@@ -252,12 +260,8 @@ def check_finish_outputs(finish_outputs, seed: int = 0) -> None:
     # only row 0, where lam**t is lam**0).
     for case in sorted(range(len(_CASES)), key=lambda c: (_CASES[c][1] != _CASES[c][2], -min(_CASES[c][0]))):
         counts, d_k, d_v, lams, with_s0 = _CASES[case]
-        rng = np.random.default_rng(1400 + 17 * case + seed)
-        heads, n = len(lams), sum(counts)
-        lam = np.array(lams)
-        q, k = rng.standard_normal((2, heads, n, d_k))
-        v = rng.standard_normal((heads, n, d_v))
-        s0 = rng.standard_normal((heads, d_k, d_v)) if with_s0 else np.zeros((heads, d_k, d_v))
+        lam, q, k, v, s0 = _draw(case, 1400 + seed)
+        heads = len(lams)
         whole = causal_linear_recurrent(q[None], k[None], v[None], lam, initial_state=s0[None])[0]
         ins = sequence_states(k, v, lam, counts, s0)
         for r, s in enumerate(_slices(counts)):
