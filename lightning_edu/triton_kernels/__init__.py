@@ -211,8 +211,8 @@ def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
     registered backward, and a single node to :func:`torch.compile`; called eagerly on plain tensors, the same
     forward and backward run as an autograd Function (:class:`.ops.EagerLA2`), which skips the dispatcher; and
     an eager call that no gradient can follow (grad mode off, or no input requiring one: inference) runs the
-    forward's kernels alone (:func:`.ops.forward_impl`), without a Function around them (which cost the host 8 to
-    19 us per call, around a stand-in forward that launched nothing, on the 2-core CPU machine of this book's tests).
+    forward's kernels alone (:func:`.ops.forward_impl`), without a Function around them: the Function's own cost
+    was 8 to 19 us of host time per call on a 2-core x86 CPU, timed around a forward that launched nothing.
     o has v's dtype, final_state is float32.
     bfloat16 inputs off CUDA (the CPU interpreter) are computed in float32 and o is returned as bfloat16;
     gradients flow back to the bfloat16 leaves as bfloat16. The forward keeps its segment states for the backward
