@@ -136,6 +136,7 @@ def test_build_is_quick_and_clean(built_site):
     out, log, seconds = built_site
     assert seconds < 60, f"the build took {seconds:.0f} s"
     assert "WARN" not in log and "ERROR" not in log, log
+    assert "without a static figure" not in log, log  # every slider has its static twin beside it
     assert "mathjax" not in (out / "index.html").read_text().lower(), "the pages must not load MathJax"
 
 

@@ -470,8 +470,8 @@ def _chapter_page(chapter: Chapter, math: _MathSpans, root: Path) -> _Page:
                 continue
             data = out.get("data", {})
             if WIDGET_MIME in data:
-                # A slider needs a live kernel; its static twin is an image output nearby.
-                nearby = [c for c in cells[i:i + 3] if c["cell_type"] == "code"]
+                # A slider needs a live kernel; its static twin is an image output nearby, above or below it.
+                nearby = [c for c in cells[max(0, i - 2):i + 3] if c["cell_type"] == "code"]
                 if not any("image/png" in o.get("data", {}) or "image/svg+xml" in o.get("data", {})
                            for c in nearby for o in c.get("outputs", [])):
                     notes.append(f"{label}: an interactive widget without a static figure nearby")
