@@ -147,7 +147,8 @@ def decay_gradient(q, k, v, do, decay, initial_state=None, d_final_state=None, b
     return grad
 
 
-def masked_product(weights: torch.Tensor, keep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def masked_product(weights: torch.Tensor, keep: torch.Tensor, x: torch.Tensor, *,
+                   look: bool | None = None) -> torch.Tensor:
     """``where(keep, weights, 0) @ x`` where the mask selects, the torch twin of
     :func:`lightning_edu.numpy_reference.masked_product`. (Chapters 03, 06.)
 
@@ -155,15 +156,25 @@ def masked_product(weights: torch.Tensor, keep: torch.Tensor, x: torch.Tensor) -
     earlier outputs through a 0 weight (0 x NaN = NaN). Non-finite entries of x are zeroed for the product
     and exactly the outputs whose kept weights reach one of them are set to NaN. keep broadcasts against
     weights (..., m, p); x is (..., p, d).
+
+    ``look``: whether the host first looks at x to skip that work in the common, finite case. Reading a value of
+    x on the host costs nothing on the CPU, but on a GPU it makes the host wait for the GPU, and under
+    :func:`torch.compile` it breaks the graph; so None (the default) looks only at a CPU tensor in eager code, and
+    elsewhere the masked path always runs, branch-free, on the device. Both give the same bits.
     """
     a = torch.where(keep, weights, 0.0)
     if x.is_meta:  # shapes only (a model traced on the meta device): there are no values to look at
         return a @ x
-    if bool(torch.isfinite(x.sum())):  # the common case, in one cheap pass: a NaN or inf in x makes its sum NaN or inf
-        return a @ x
-    bad = ~torch.isfinite(x)  # (a sum can also overflow with every entry finite: then the entries decide)
-    if not bool(bad.any()):
-        return a @ x
+    if look is None:
+        look = x.device.type == "cpu" and not torch.compiler.is_compiling()
+    if look:
+        if bool(torch.isfinite(x.sum())):  # the common case, in one cheap pass: a NaN or inf makes the sum non-finite
+            return a @ x
+        bad = ~torch.isfinite(x)  # (a sum can also overflow with every entry finite: then the entries decide)
+        if not bool(bad.any()):
+            return a @ x
+    else:
+        bad = ~torch.isfinite(x)
     reach = keep.to(x.dtype) @ bad.to(x.dtype)
     return torch.where(reach > 0, torch.nan, a @ torch.where(bad, 0.0, x))
 

@@ -218,3 +218,34 @@ def test_errors_name_the_argument():
         tc.chunked_forward(q, k, v, block_size=0)
     with pytest.raises(ValueError, match="initial_state must have shape"):
         tc.recurrent_forward(q, k, v, initial_state=torch.zeros(2, 3, 4, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("plant", ["finite", "nan", "inf", "sum overflows"])
+def test_masked_product_with_and_without_a_look_at_x_gives_the_same_bits(dtype, plant):
+    # look=True reads x on the host to skip the masked path when x is finite (the CPU's way); look=False always runs
+    # the masked path, branch-free (a GPU's or a compiled graph's way). The same bits either way, and causal.
+    gen = torch.Generator().manual_seed(3)
+    weights = torch.randn(2, 3, 16, 16, generator=gen).to(dtype)
+    keep = torch.ones(16, 16, dtype=torch.bool).tril()
+    x = torch.randn(2, 3, 16, 5, generator=gen).to(dtype)
+    if plant == "nan":
+        x[0, 1, 9, 2] = float("nan")
+    elif plant == "inf":
+        x[1, 2, 4, 0] = float("-inf")
+    elif plant == "sum overflows":
+        x[:, :, :, 3] = torch.finfo(dtype).max / 2  # every entry finite, the sum not
+    looked, blind = tc.masked_product(weights, keep, x, look=True), tc.masked_product(weights, keep, x, look=False)
+    assert torch.equal(looked.isnan(), blind.isnan()) and torch.equal(looked.nan_to_num(7.0), blind.nan_to_num(7.0))
+    if plant == "nan":  # rows before the planted token stay finite: the mask selected, it did not multiply
+        assert looked[0, 1, :9].isfinite().all() and looked[0, 1, 9:, 2].isnan().all()
+
+
+def test_masked_product_compiles_without_a_graph_break():
+    # Under torch.compile the default does not look at x (a host read would break the graph): fullgraph traces it.
+    keep = torch.ones(8, 8, dtype=torch.bool).tril()
+    weights, x = torch.randn(2, 8, 8), torch.randn(2, 8, 4)
+    x[1, 3, 0] = float("nan")
+    compiled = torch.compile(lambda w, v: tc.masked_product(w, keep, v), backend="eager", fullgraph=True)
+    got, want = compiled(weights, x), tc.masked_product(weights, keep, x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
