@@ -167,14 +167,11 @@ def masked_product(weights: torch.Tensor, keep: torch.Tensor, x: torch.Tensor, *
         return a @ x
     if look is None:
         look = x.device.type == "cpu" and not torch.compiler.is_compiling()
-    if look:
-        if bool(torch.isfinite(x.sum())):  # the common case, in one cheap pass: a NaN or inf makes the sum non-finite
-            return a @ x
-        bad = ~torch.isfinite(x)  # (a sum can also overflow with every entry finite: then the entries decide)
-        if not bool(bad.any()):
-            return a @ x
-    else:
-        bad = ~torch.isfinite(x)
+    if look and bool(torch.isfinite(x.sum())):  # the common case, in one cheap pass: a NaN or inf makes it non-finite
+        return a @ x
+    bad = ~torch.isfinite(x)
+    if look and not bool(bad.any()):  # a sum can also overflow with every entry finite: then the entries decide
+        return a @ x
     reach = keep.to(x.dtype) @ bad.to(x.dtype)
     return torch.where(reach > 0, torch.nan, a @ torch.where(bad, 0.0, x))
 

@@ -278,7 +278,8 @@ def test_run_tiny_interleaves_its_methods_in_rounds(monkeypatch):
     monkeypatch.setattr(bench, "_inputs", lambda batch, heads, T, d, dtype: [torch.zeros(batch, heads, T, d)] * 4)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     walls = iter(range(1, 100))
-    monkeypatch.setattr("lightning_edu.perf.measure.median_time", lambda fn, repeat, warmup: (fn(), next(walls) / 1e3)[1])
+    monkeypatch.setattr("lightning_edu.perf.measure.median_time",
+                        lambda fn, repeat, warmup: (fn(), next(walls) / 1e3)[1])
     args = types.SimpleNamespace(D=[16, 32], dtype="fp32", methods=["ours", "theirs", "broken"], rounds=3)
     data = bench.run_tiny(args)
     assert data["rounds"] == 3
@@ -287,6 +288,7 @@ def test_run_tiny_interleaves_its_methods_in_rounds(monkeypatch):
     assert makes == [(name, d) for d in (16, 32) for name in ("ours", "theirs", "broken")]  # once per method and D
     rows = {(r["method"], r["D"]): r for r in data["results"]}
     assert rows["ours", 16]["fwdbwd_wall_ms_rounds"] == [1.0, 4.0, 5.0] and rows["ours", 16]["fwdbwd_wall_ms"] == 4.0
-    assert rows["theirs", 16]["fwdbwd_wall_ms_rounds"] == [2.0, 3.0, 6.0] and rows["ours", 32]["fwdbwd_wall_ms_rounds"] == [7.0, 10.0, 11.0]
+    assert rows["theirs", 16]["fwdbwd_wall_ms_rounds"] == [2.0, 3.0, 6.0]
+    assert rows["ours", 32]["fwdbwd_wall_ms_rounds"] == [7.0, 10.0, 11.0]
     assert rows["broken", 32] == {"method": "broken", "T": 256, "D": 32, "batch": 1, "heads": 4, "dtype": "fp32",
                                   "error": "RuntimeError: no such kernel"}

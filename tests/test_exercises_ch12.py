@@ -23,9 +23,21 @@ def _combine(power=lambda n: n, local=False, own=False, start=True, head0=False,
     return incoming_states
 
 
-def test_a_right_answer_passes_on_fixed_and_fresh_inputs(capsys):
-    check_incoming_states(_combine())
-    check_incoming_states(_combine(), seed=None)
+def _finish(power=lambda t, n: t + 1, local=1.0, scale_local=False, transpose=False, head0=False):
+    def finish_outputs(o_local, q, incoming, lam):
+        lam = np.full_like(lam, lam[0]) if head0 else np.asarray(lam)
+        n = q.shape[1]
+        scale = (lam[:, None] ** power(np.arange(n), n)[None, :])[..., None]
+        state = incoming.transpose(0, 2, 1) if transpose else incoming
+        return scale * (o_local + q @ state) if scale_local else local * o_local + scale * (q @ state)
+
+    return finish_outputs
+
+
+@pytest.mark.parametrize("check, right", [(check_incoming_states, _combine()), (check_finish_outputs, _finish())])
+def test_a_right_answer_passes_on_fixed_and_fresh_inputs(capsys, check, right):
+    check(right)
+    check(right, seed=None)
     assert capsys.readouterr().out.count("Correct:") == 2
 
 
@@ -44,48 +56,65 @@ def test_the_reference_is_the_whole_sequences_recurrence():
     np.testing.assert_allclose(local_states(q, k, v, lam, counts)[1], alone[0], rtol=1e-13)
 
 
-@pytest.mark.parametrize("slip, words", [
-    (_combine(lambda n: 0), "the carried state is not decayed"),
-    (_combine(lambda n: n - 1), "lam**(n_{r-1} - 1)"),
-    (_combine(lambda n: n + 1), "lam**(n_{r-1} + 1)"),
-    (_combine(local=True), "S_{r-1} was decayed along with IN_{r-1}"),
-    (_combine(own=True), "decayed by the next rank's token count"),
-    (_combine(start=False), "the initial state is missing"),
-    (_combine(shift=True), "the outgoing state"),
-    (_combine(head0=True), "head 0's lambda"),
+@pytest.mark.parametrize("check, slip, words", [
+    (check_incoming_states, _combine(lambda n: 0), "the carried state is not decayed"),
+    (check_incoming_states, _combine(lambda n: n - 1), "lam**(n_{r-1} - 1)"),
+    (check_incoming_states, _combine(lambda n: n + 1), "lam**(n_{r-1} + 1)"),
+    (check_incoming_states, _combine(local=True), "S_{r-1} was decayed along with IN_{r-1}"),
+    (check_incoming_states, _combine(own=True), "decayed by the next rank's token count"),
+    (check_incoming_states, _combine(start=False), "the initial state is missing"),
+    (check_incoming_states, _combine(shift=True), "the outgoing state"),
+    (check_incoming_states, _combine(head0=True), "head 0's lambda"),
+    (check_finish_outputs, _finish(lambda t, n: 0 * t), "the incoming state is not decayed"),
+    (check_finish_outputs, _finish(lambda t, n: t), "decayed by lam**t"),
+    (check_finish_outputs, _finish(lambda t, n: t + 2), "decayed by lam**(t + 2)"),
+    (check_finish_outputs, _finish(lambda t, n: n - t), "the powers run backwards"),
+    (check_finish_outputs, _finish(local=0.0), "the local outputs are missing"),
+    (check_finish_outputs, _finish(scale_local=True), "o_local was decayed along with the correction"),
+    (check_finish_outputs, _finish(transpose=True), "the state is used transposed"),
+    (check_finish_outputs, _finish(head0=True), "head 0's lambda"),
 ])
-def test_each_usual_slip_is_named(slip, words):
+def test_each_usual_slip_is_named(check, slip, words):
     with pytest.raises(ExerciseError, match="wrong") as info:
-        check_incoming_states(slip)
+        check(slip)
     assert words in str(info.value)
 
 
-@pytest.mark.parametrize("answer, words", [
-    (lambda st, c, lam, s0: [x * np.nan for x in _combine()(st, c, lam, s0)], "NaN or inf"),
-    (lambda st, c, lam, s0: _combine()(st, c, lam, s0)[:-1], "one per rank is 4"),
-    (lambda st, c, lam, s0: "states", "got str"),
-    (lambda st, c, lam, s0: None, "returned None"),
-    (lambda st, c, lam, s0: [x.transpose(0, 2, 1) for x in _combine()(st, c, lam, s0)], "expected (3, 4, 3)"),
-    (lambda st, c, lam, s0: (st[0].__imul__(2), _combine()(st, c, lam, s0))[1], "in place"),
-    (lambda st, c, lam, s0: 1 / 0, "raised ZeroDivisionError"),
-    (lambda st, c, lam, s0: [["a"] * 3] * 4, "rank 0"),
+@pytest.mark.parametrize("check, answer, words", [
+    (check_incoming_states, lambda st, c, lam, s0: [x * np.nan for x in _combine()(st, c, lam, s0)], "NaN or inf"),
+    (check_incoming_states, lambda st, c, lam, s0: _combine()(st, c, lam, s0)[:-1], "one per rank is 4"),
+    (check_incoming_states, lambda st, c, lam, s0: "states", "got str"),
+    (check_incoming_states, lambda st, c, lam, s0: None, "returned None"),
+    (check_incoming_states, lambda st, c, lam, s0: [x.transpose(0, 2, 1) for x in _combine()(st, c, lam, s0)],
+     "expected (3, 4, 3)"),
+    (check_incoming_states, lambda st, c, lam, s0: (st[0].__imul__(2), _combine()(st, c, lam, s0))[1], "in place"),
+    (check_incoming_states, lambda st, c, lam, s0: 1 / 0, "raised ZeroDivisionError"),
+    (check_incoming_states, lambda st, c, lam, s0: [["a"] * 3] * 4, "rank 0"),
+    (check_finish_outputs, lambda o, q, s, lam: _finish()(o, q, s, lam) * np.nan, "NaN or inf"),
+    (check_finish_outputs, lambda o, q, s, lam: _finish()(o, q, s, lam)[:, :-1], "expected (3, 6, 3)"),
+    (check_finish_outputs, lambda o, q, s, lam: _finish()(o, q, s, lam).tolist(), "not an array"),
+    (check_finish_outputs, lambda o, q, s, lam: None, "returned None"),
+    (check_finish_outputs, lambda o, q, s, lam: o.__iadd__(_finish()(o, q, s, lam) - o), "in place"),
+    (check_finish_outputs, lambda o, q, s, lam: 1 / 0, "raised ZeroDivisionError"),
+    (check_finish_outputs, lambda o, q, s, lam: _finish()(o, q, s, lam) + 1e-3, "first at head 0, row 0"),
 ])
-def test_wrong_outputs_get_a_message_never_a_traceback(answer, words):
+def test_wrong_outputs_get_a_message_never_a_traceback(check, answer, words):
     with pytest.raises(ExerciseError) as info:
-        check_incoming_states(answer)
+        check(answer)
     assert words in str(info.value)
 
 
-def test_calling_the_package_is_refused():
+@pytest.mark.parametrize("check, right", [(check_incoming_states, _combine()), (check_finish_outputs, _finish())])
+def test_calling_the_package_is_refused(check, right):
     from lightning_edu import lightning_attention
 
-    def incoming_states(states, counts, lam, initial_state):
+    def answer(*args):
         lightning_attention(np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)), 1.0,
                             backend="numpy")
-        return _combine()(states, counts, lam, initial_state)
+        return right(*args)
 
     with pytest.raises(IntegrityError, match="lightning_attention"):
-        check_incoming_states(incoming_states)
+        check(answer)
 
 
 def test_incoming_states_that_divide_by_a_power_of_lambda_fail():
@@ -105,23 +134,6 @@ def test_incoming_states_that_divide_by_a_power_of_lambda_fail():
         check_incoming_states(divided)
 
 
-def _finish(power=lambda t, n: t + 1, local=1.0, scale_local=False, transpose=False, head0=False):
-    def finish_outputs(o_local, q, incoming, lam):
-        lam = np.full_like(lam, lam[0]) if head0 else np.asarray(lam)
-        n = q.shape[1]
-        scale = (lam[:, None] ** power(np.arange(n), n)[None, :])[..., None]
-        state = incoming.transpose(0, 2, 1) if transpose else incoming
-        return scale * (o_local + q @ state) if scale_local else local * o_local + scale * (q @ state)
-
-    return finish_outputs
-
-
-def test_a_right_answer_to_12_2_passes_on_fixed_and_fresh_inputs(capsys):
-    check_finish_outputs(_finish())
-    check_finish_outputs(_finish(), seed=None)
-    assert capsys.readouterr().out.count("Correct:") == 2
-
-
 def test_the_12_2_reference_is_the_whole_sequences_outputs():
     # what the check asks for, checked here against one call over the whole sequence (not against the formula)
     rng = np.random.default_rng(1)
@@ -134,46 +146,3 @@ def test_the_12_2_reference_is_the_whole_sequences_outputs():
     for r, s in enumerate([slice(0, 4), slice(4, 10)]):
         o_local = causal_linear_recurrent(q[None, :, s], k[None, :, s], v[None, :, s], lam)[0]
         np.testing.assert_allclose(_finish()(o_local, q[:, s], ins[r], lam), whole[:, s], rtol=1e-12)
-
-
-@pytest.mark.parametrize("slip, words", [
-    (_finish(lambda t, n: 0 * t), "the incoming state is not decayed"),
-    (_finish(lambda t, n: t), "decayed by lam**t"),
-    (_finish(lambda t, n: t + 2), "decayed by lam**(t + 2)"),
-    (_finish(lambda t, n: n - t), "the powers run backwards"),
-    (_finish(local=0.0), "the local outputs are missing"),
-    (_finish(scale_local=True), "o_local was decayed along with the correction"),
-    (_finish(transpose=True), "the state is used transposed"),
-    (_finish(head0=True), "head 0's lambda"),
-])
-def test_each_usual_slip_of_12_2_is_named(slip, words):
-    with pytest.raises(ExerciseError, match="wrong") as info:
-        check_finish_outputs(slip)
-    assert words in str(info.value)
-
-
-@pytest.mark.parametrize("answer, words", [
-    (lambda o, q, s, lam: _finish()(o, q, s, lam) * np.nan, "NaN or inf"),
-    (lambda o, q, s, lam: _finish()(o, q, s, lam)[:, :-1], "expected (3, 6, 3)"),
-    (lambda o, q, s, lam: _finish()(o, q, s, lam).tolist(), "not an array"),
-    (lambda o, q, s, lam: None, "returned None"),
-    (lambda o, q, s, lam: o.__iadd__(_finish()(o, q, s, lam) - o), "in place"),
-    (lambda o, q, s, lam: 1 / 0, "raised ZeroDivisionError"),
-    (lambda o, q, s, lam: _finish()(o, q, s, lam) + 1e-3, "first at head 0, row 0"),
-])
-def test_wrong_outputs_of_12_2_get_a_message_never_a_traceback(answer, words):
-    with pytest.raises(ExerciseError) as info:
-        check_finish_outputs(answer)
-    assert words in str(info.value)
-
-
-def test_12_2_refuses_calling_the_package():
-    from lightning_edu import lightning_attention
-
-    def finish_outputs(o_local, q, incoming, lam):
-        lightning_attention(np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1, 1)), 1.0,
-                            backend="numpy")
-        return _finish()(o_local, q, incoming, lam)
-
-    with pytest.raises(IntegrityError, match="lightning_attention"):
-        check_finish_outputs(finish_outputs)

@@ -134,12 +134,13 @@ _HINTS = {
 }
 
 
+def _close(got, want) -> bool:
+    """Equal to _RTOL, relative to the larger of want's largest entry and 1."""
+    return np.allclose(got, want, rtol=_RTOL, atol=_RTOL * max(float(np.max(np.abs(want))), 1.0))
+
+
 def _first_wrong(got, ref):
-    for r, (g, e) in enumerate(zip(got, ref)):
-        scale = max(float(np.max(np.abs(e))), 1.0)
-        if not np.allclose(g, e, rtol=_RTOL, atol=_RTOL * scale):
-            return r
-    return None
+    return next((r for r, (g, e) in enumerate(zip(got, ref)) if not _close(g, e)), None)
 
 
 def _read(out, ranks, shape, where):
@@ -277,12 +278,12 @@ def check_finish_outputs(finish_outputs, seed: int = 0) -> None:
                 raise ExerciseError(f"the outputs {where} hold NaN or inf: with lambda in (0, 1] every power lam**(t+1) "
                                     "is in [0, 1]; never divide by a power of lambda")
             ref = whole[:, s]
-            scale = max(float(np.max(np.abs(ref))), 1.0)
-            if np.allclose(got, ref, rtol=_RTOL, atol=_RTOL * scale):
+            if _close(got, ref):
                 continue
             for name, variant in _finish_variants(o_local, q[:, s], ins[r], lam).items():
-                if np.allclose(got, variant, rtol=_RTOL, atol=_RTOL * max(float(np.max(np.abs(variant))), 1.0)):
+                if _close(got, variant):
                     raise ExerciseError(f"the outputs are wrong {where}: {_FINISH_HINTS[name]}")
+            scale = max(float(np.max(np.abs(ref))), 1.0)
             bad = np.argwhere(~np.isclose(got, ref, rtol=_RTOL, atol=_RTOL * scale))[0]
             raise ExerciseError(f"the outputs are wrong {where}, first at head {bad[0]}, row {bad[1]} of the slice: "
                                 f"{got[tuple(bad)]:.6g} against {ref[tuple(bad)]:.6g}. Row t must equal the output "

@@ -67,6 +67,8 @@ def decode_step(q, k, v, state, log2_decay, out_state=None, block_v: int | None 
     if out_state is None:
         out_state = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     o = torch.empty(batch, heads, d_v, device=q.device, dtype=q.dtype)
+    if q.is_meta:  # a model traced on the meta device: the outputs' shapes and dtypes, nothing to launch
+        return o, out_state
     pad_k = pad_dim(d_k)
     # A slice of the state per program: at most 8K fp32 values (32 KB) in registers.
     block_v = block_v or max(16, min(pad_dim(d_v), 8192 // pad_k))

@@ -130,14 +130,8 @@ def tma_from_args(args, **options):
 
 
 def decode_from_args(args, **options):
-    """One decoding step (a :class:`~lightning_edu.validation.StepArgs`): (o in v's dtype, new_state float32). On meta
-    tensors (no data) their shapes and dtypes, launching nothing."""
+    """One decoding step (a :class:`~lightning_edu.validation.StepArgs`): (o in v's dtype, new_state float32)."""
     from .decode import decode_step
-
-    if args.q.is_meta:
-        batch, heads, d_k = args.q.shape
-        d_v = args.v.shape[-1]
-        return args.v.new_empty(batch, heads, d_v), args.q.new_empty(batch, heads, d_k, d_v, dtype=torch.float32)
 
     q, k, v = _tensors(args.q, args.k, args.v)
     state = dense(args.state)
