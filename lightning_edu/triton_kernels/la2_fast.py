@@ -41,7 +41,7 @@ from ._tiles import (
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
-           "whole_dv_forward", "WHOLE_DV",
+           "whole_dv_forward", "WHOLE_DV", "WHOLE_DV_PER_SM",
            "sliced_forward", "SLICE", "value_slices",
            "finish_backward", "segment_states", "exact_pass", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
 
@@ -414,16 +414,17 @@ def short_blocks(device) -> int:
 
 
 def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: int | None = None,
-                    short: int = 0) -> tuple[int, int]:
-    """(num_segments, seg_len): as many segments as keep ``programs * num_segments`` within two programs per SM;
-    one segment for a sequence of at most ``short`` blocks.
+                    short: int = 0, per_sm: int = 2) -> tuple[int, int]:
+    """(num_segments, seg_len): as many segments as keep ``programs * num_segments`` within ``per_sm`` programs
+    per SM; one segment for a sequence of at most ``short`` blocks.
 
     Two programs of the backend's 16-bit kernels fit on an SM at once (registers and shared memory), so up to
     ``2 * sm_count`` programs run as one wave. One program more starts a second wave, in which a few programs run
     while most SMs wait: rounding the segment count up (17 segments of a 16-head sequence on 132 SMs, 272
     programs) made the forward 1.19-1.25x slower than rounding it down (16 segments, 256 programs) on an H100
     (bf16, d = 128 with d_v whole: 1.82 against 1.46 ms at 1 x 128K tokens, 0.447 against 0.375 ms at 4 x 8K; chapter 07).
-    seg_len is a multiple of ``block`` so every segment but the last is made of whole blocks.
+    A program of :data:`WHOLE_DV`'s tiles fills an SM alone (:data:`WHOLE_DV_PER_SM`): its caller passes
+    ``per_sm=1``. seg_len is a multiple of ``block`` so every segment but the last is made of whole blocks.
 
     Short sequences. Segments cost launches: a pre-pass before the pass, in the forward and in the backward, and
     on a short call the host's time is the call's time. On an H100 (bf16, d = 64, 1 x 4 heads x 256 tokens,
@@ -433,7 +434,7 @@ def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: i
     36 us; at d = 128 from 44 to 57 us. The backend passes ``short`` = :data:`SHORT_BLOCKS` on a GPU.
     """
     if seg_len is None:
-        want = max(1, 2 * sm_count // max(programs, 1))
+        want = max(1, per_sm * sm_count // max(programs, 1))
         blocks = cdiv(n, block)
         if blocks <= short:
             want = 1
@@ -477,6 +478,14 @@ def sliced_forward(batch_heads: int, n: int, d_v: int, block: int, sm_count: int
 
 WHOLE_DV = dict(block_dv=128, num_warps=8, num_stages=3)
 """The tiles of :func:`whole_dv_forward`: d_v whole (up to 128 columns), 8 warps for the d x d float32 state, 3 stages."""
+
+WHOLE_DV_PER_SM = 1
+"""Programs of :data:`WHOLE_DV`'s tiles that run on one SM at once (:func:`choose_segments`' ``per_sm``). At
+d = 128 three stages of 64-row tiles of q, k and v (48 KB a stage) and the state's 16-bit copy for its dot need
+more than half of an SM's shared memory, so one program holds the SM: 16 segments of a 16-head sequence (256
+programs) are two waves on 132 SMs, 8 segments one wave with half the pre-pass's second reads. Measured on an
+H200 (bf16, 16 heads, one sequence, these tiles through descriptors, the GPU's time by CUDA graph, chapter 07),
+8 against 16 segments: 0.287 against 0.306 ms at 32K tokens, 1.111 against 1.122 ms at 128K."""
 
 
 def whole_dv_forward(q, v) -> bool:
@@ -643,6 +652,8 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None 
         block_dv, num_stages, seg_len = plan
     elif backend_picks and whole_dv_forward(q, v) and tma is not False:
         block_dv, num_warps, num_stages = WHOLE_DV.values()
+        _, seg_len = choose_segments(q.shape[0] * q.shape[1], q.shape[2], block, _sm_count(q.device), None,
+                                     short_blocks(q.device), WHOLE_DV_PER_SM)
     s0 = dense(initial_state.float()) if initial_state is not None else None
     o, sn, aux = _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len,
                                store_incoming=save_states, tma=_tma(tma, q, v))

@@ -56,7 +56,8 @@ from ..torch_chunked import decay_gradient, first_derivative_only
 from . import _tiles, la2_tma
 from ._tiles import compile_ahead, interpreted, is_dense, record_plan, sm_count, upcast_for_interpreter
 from .la2_fast import (
-    WHOLE_DV, choose_segments, la2_fast_forward, output_like, short_blocks, sliced_plan, value_slices, whole_dv_forward,
+    WHOLE_DV, WHOLE_DV_PER_SM, choose_segments, la2_fast_forward, output_like, short_blocks, sliced_plan, value_slices,
+    whole_dv_forward,
 )
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
@@ -96,11 +97,12 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
     if sliced is not None:
         block_dv, num_stages, seg_len = sliced
         return {**cfg, "block_dv": block_dv, "num_stages": num_stages}, seg_len, 1
+    per_sm = 2
     if not save_states and block_size is None and whole_dv_forward(q, v):
-        cfg = {**cfg, **WHOLE_DV}
+        cfg, per_sm = {**cfg, **WHOLE_DV}, WHOLE_DV_PER_SM
     _, slices = value_slices(d_v, cfg["block_dv"])  # as la2_fast_forward will
     num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sm_count(q.device), None,
-                                       short_blocks(q.device))
+                                       short_blocks(q.device), per_sm)
     return cfg, seg_len, num_seg
 
 
