@@ -139,11 +139,15 @@ def test_same_worker_groups_name_cuda_cases_only():
 
 
 @given(programs=st.integers(1, 600), n=st.integers(1, 300_000), block=st.sampled_from([16, 32, 64]),
-       sms=st.sampled_from([4, 108, 132]))
-def test_segments_fill_one_wave_of_two_programs_per_sm_and_no_more(programs, n, block, sms):
-    num_seg, seg_len = choose_segments(programs, n, block, sms)
+       sms=st.sampled_from([4, 108, 132]), per_sm=st.sampled_from([None, 1, 2]))
+def test_segments_fill_one_wave_of_programs_and_no_more(programs, n, block, sms, per_sm):
+    if per_sm is None:  # the default: two programs per SM
+        num_seg, seg_len = choose_segments(programs, n, block, sms)
+        per_sm = 2
+    else:
+        num_seg, seg_len = choose_segments(programs, n, block, sms, per_sm=per_sm)
     blocks = -(-n // block)
-    wave = max(1, 2 * sms // programs)  # segments per (batch, head) program that one wave holds
+    wave = max(1, per_sm * sms // programs)  # segments per (batch, head) program that one wave holds
     assert seg_len % block == 0 and (num_seg - 1) * seg_len < n <= num_seg * seg_len  # every row, no empty segment
     assert num_seg <= wave  # never a second wave, unless one segment already needs it
     assert 2 * num_seg >= min(wave, blocks)  # at least half the wave used (segments are whole, equal runs of blocks)
@@ -154,6 +158,9 @@ def test_segments_round_down_at_the_benchmarks_shapes():
     assert choose_segments(32, 32768, 64, 132)[0] == 8
     assert choose_segments(16, 131072, 64, 132)[0] == 16  # not 17: 272 programs would start a second wave
     assert choose_segments(64, 8192, 64, 132)[0] == 4  # not 5
+    # d_v whole with 8 warps, one program per SM: 16 heads of one sequence -> 8 segments (128 programs), not 16
+    assert choose_segments(16, 32768, 64, 132, per_sm=1)[0] == 8
+    assert choose_segments(16, 131072, 64, 132, per_sm=1)[0] == 8
 
 
 def test_value_slices_are_64_columns_unless_given():

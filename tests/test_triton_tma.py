@@ -10,7 +10,7 @@ from kernel_cases import to_numpy64 as _np
 from lightning_edu.checks import relative_error
 from lightning_edu.numpy_blockwise import blockwise_forward
 from lightning_edu.triton_kernels import log2_decay_tensor
-from lightning_edu.triton_kernels.la2_fast import backend_tiles, la2_fast_backward, la2_fast_forward
+from lightning_edu.triton_kernels.la2_fast import backend_tiles, choose_segments, la2_fast_backward, la2_fast_forward
 from lightning_edu.triton_kernels.la2_tma import la2_tma_forward, tma_ready
 
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -77,6 +77,14 @@ def test_tma_measurement_refuses_bad_command_lines(capsys):
     assert perf_tma.main(["--help"]) == 0
     assert perf_tma.main([]) == 2 and perf_tma.main(["a.json", "b.json"]) == 2
     assert "python -m lightning_edu.perf.tma OUT.json" in capsys.readouterr().out
+
+
+def test_segments_measurement_refuses_bad_command_lines(capsys):
+    from lightning_edu.perf import segments
+
+    assert segments.main(["--help"]) == 0
+    assert segments.main([]) == 2 and segments.main(["-o"]) == 2
+    assert "python -m lightning_edu.perf.segments OUT.json" in capsys.readouterr().out
 
 
 @cases("shape,tiles,dtype,segments", {
@@ -155,14 +163,19 @@ def test_a_forward_with_no_backward_takes_d_v_whole_where_its_tiles_load_by_desc
     monkeypatch.setattr(la2_tma, "backend_takes", lambda q, v: True)  # as on a Hopper GPU, for a long call
     q, k, v, _, _, _ = kernel_inputs((1, 2, 70, 72, 80), device)
     l2 = log2_decay_tensor(np.array([0.9, 1.0]), device)
-    cfg, _, _ = ops.launch_plan(q, v, None, save_states=False)
+    cfg, seg_len, num_seg = ops.launch_plan(q, v, None, save_states=False)
     assert {key: cfg[key] for key in la2_fast.WHOLE_DV} == la2_fast.WHOLE_DV
     assert ops.launch_plan(q, v, None, save_states=True)[0]["block_dv"] == 64  # a backward follows: the slices
+    # one program of these tiles per SM (WHOLE_DV_PER_SM): half the segments two per SM would give (4 SMs here)
+    sms, short = la2_fast._sm_count(q.device), la2_fast.short_blocks(q.device)
+    assert (num_seg, seg_len) == choose_segments(2, 70, cfg["block"], sms, None, short, la2_fast.WHOLE_DV_PER_SM)
+    assert num_seg < choose_segments(2, 70, cfg["block"], sms, None, short)[0]
     seen = []
     real = la2_fast._forward_form
-    monkeypatch.setattr(la2_fast, "_forward_form", lambda *a, **kw: seen.append(a[7]) or real(*a, **kw))
+    monkeypatch.setattr(la2_fast, "_forward_form", lambda *a, **kw: seen.append(a[7:11:3]) or real(*a, **kw))
     o, sn = la2_fast_forward(q, k, v, l2)
     o2, s2 = la2_fast_forward(q, k, v, l2, tma=False)
-    assert seen == [128, 64]  # block_dv: d_v whole with descriptors, the slices without
+    assert seen[0] == (128, seg_len)  # (block_dv, seg_len): d_v whole on the backend's plan's segments with descriptors
+    assert seen[1][0] == 64  # the slices without
     ro, rs = blockwise_forward(_np(q), _np(k), _np(v), np.array([0.9, 1.0]), 64)
     assert relative_error(o, ro) < 1e-5 and relative_error(sn, rs) < 1e-5 and relative_error(o, _np(o2)) < 1e-5
