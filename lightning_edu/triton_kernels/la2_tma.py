@@ -18,9 +18,9 @@ launch plans (:class:`~._tiles.LaunchPlan`) rebuild each descriptor on the repla
 measures the kernel against la2_fast's (``python -m lightning_edu.perf.tma``) and the backend with and without it
 (``python -m lightning_edu.perf.bench``, method ``triton_pointers``). On an H100 (bf16, d = 128, 16 heads, 32K
 tokens per call, the public call timed by ``do_bench``, medians of three interleaved rounds,
-notebooks/data/bench_h100_d128.json), forward 0.226 against 0.294 ms at T = 2K, 0.250 / 0.283 at 8K, 0.339 / 0.357
-at 32K, 1.227 / 1.377 at 128K (from 32K on with :func:`~.la2_fast.whole_dv_forward`'s tiles against the slices);
-forward + backward 1.054 against 1.109 ms at 2K, within 2 % either way at the longer lengths.
+notebooks/data/bench_h100_d128.json), forward 0.224 against 0.293 ms at T = 2K, 0.248 / 0.312 at 8K, 0.311 / 0.356
+at 32K, 1.165 / 1.375 at 128K (from 32K on with :func:`~.la2_fast.whole_dv_forward`'s tiles and segments against
+the slices); forward + backward 1.055 against 1.107 ms at 2K, within 2 % either way at the longer lengths.
 
 A descriptor needs 16-byte aligned rows: the base and every stride but the last a multiple of 16 bytes (d a
 multiple of 8 in 16-bit dtypes, of 4 in float32); on a GPU, compute capability 9.0 or later. The launcher refuses
