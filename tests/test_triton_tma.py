@@ -85,6 +85,8 @@ def test_segments_measurement_refuses_bad_command_lines(capsys):
     assert segments.main(["--help"]) == 0
     assert segments.main([]) == 2 and segments.main(["-o"]) == 2
     assert "python -m lightning_edu.perf.segments OUT.json" in capsys.readouterr().out
+    if not torch.cuda.is_available():  # a command line it would run, on a machine it cannot measure
+        assert segments.main(["out.json"]) == 1 and "none is available here" in capsys.readouterr().out
 
 
 @cases("shape,tiles,dtype,segments", {

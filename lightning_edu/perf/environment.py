@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["environment_record", "git_commit", "usage_refused"]
+__all__ = ["environment_record", "git_commit", "usage_refused", "gpu_record"]
 
 
 def git_commit() -> str | None:
@@ -102,3 +102,22 @@ def usage_refused(argv: list[str], doc: str, counts=(1,)) -> int | None:
         print(doc)
         return 2
     return None
+
+
+def gpu_record(argv: list[str], doc: str, module: str, **fields) -> dict | int:
+    """The record a measuring module on a GPU starts from, or the exit status of a command line it does not run:
+    :func:`usage_refused`'s, or 1 on a machine without a CUDA device (after saying so). The record holds
+    :func:`environment_record` of ``python -m lightning_edu.perf.<module> <argv>``, the given fields, and the
+    device-to-device copy bandwidth measured now (``copy_bandwidth_bytes_per_s``, for the HBM floor)."""
+    refused = usage_refused(argv, doc)
+    if refused is not None:
+        return refused
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"python -m lightning_edu.perf.{module} measures on a CUDA GPU; none is available here.")
+        return 1
+    from .bench import copy_bandwidth
+
+    return {**environment_record(f"python -m lightning_edu.perf.{module} " + " ".join(argv)), **fields,
+            "copy_bandwidth_bytes_per_s": copy_bandwidth()}

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .bench import copy_bandwidth, hbm_floor_bytes, head_decays
-from .environment import environment_record, usage_refused
+from .bench import hbm_floor_bytes, head_decays
+from .environment import gpu_record
 
 __all__ = ["TILES", "SHAPES", "main"]
 
@@ -41,16 +41,11 @@ def main(argv=None) -> int:
     from ..triton_kernels.la2_tma import la2_tma_forward
 
     argv = sys.argv[1:] if argv is None else argv
-    refused = usage_refused(argv, __doc__)
-    if refused is not None:
-        return refused
-    if not torch.cuda.is_available():
-        print("needs a CUDA device")
-        return 1
-    record = {**environment_record("python -m lightning_edu.perf.tma " + " ".join(argv)), "heads": HEADS,
-              "dtype": "bfloat16", "timer": "triton.testing.do_bench_cudagraph, median", "results": []}
-    bw = copy_bandwidth()
-    record["copy_bandwidth_bytes_per_s"] = bw
+    record = gpu_record(argv, __doc__, "tma", heads=HEADS, dtype="bfloat16",
+                        timer="triton.testing.do_bench_cudagraph, median", results=[])
+    if isinstance(record, int):
+        return record
+    bw = record["copy_bandwidth_bytes_per_s"]
     log2_decay = torch.tensor(np.log2(head_decays(HEADS)), dtype=torch.float32, device="cuda")
     for d, t in SHAPES:
         batch = max(1, 32768 // t)
