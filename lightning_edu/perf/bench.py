@@ -519,7 +519,7 @@ def run_tiny(args, repeat: int = 200) -> dict:
     timed from the call to its gradients on the host clock (synchronised after each).
 
     Such a call is bound by the host, whose pace drifts: single runs of this command on one H100 machine, minutes
-    apart, moved each method by 15-82 % (notebooks/data/tiny_h100.json). With ``--rounds R`` every method is timed
+    apart, moved each method by 15-82 % (notebooks/data/tiny_h100.json at commit 1fb5f4c). With ``--rounds R`` every method is timed
     R times, in :func:`interleaved` rounds (each round times every method once, in a rotated order), and its row holds
     the median over the rounds with the rounds' values: methods compared in one round met the same host."""
     import torch
