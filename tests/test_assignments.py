@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -273,13 +273,15 @@ def _finish(process: subprocess.Popen, what: str) -> str:
     return out
 
 
-def _kernel_options(course: Path) -> list[str]:
+def _kernel_options(course: Path, assignment: str) -> list[str]:
     """Options for an autograde run: its kernels talk over Unix sockets in a folder of the course's own, not over
     TCP ports, which jupyter_client picks, frees and hands to the kernel to bind again, so that a kernel of another
     process on the machine can take one in between (an autograde once waited ten minutes on a kernel that never
-    answered). One cell may take two minutes: a hang fails with its cell named, not with the whole run's timeout."""
-    sockets = course / "kernel-sockets"
-    sockets.mkdir(exist_ok=True)
+    answered). Each assignment has a folder of its own: jupyter_client names an IPC socket by the first free number
+    in its folder, so two autogrades running side by side in one folder could pick the same name. One cell may
+    take two minutes: a hang fails with its cell named, not with the whole run's timeout."""
+    sockets = course / "kernel-sockets" / assignment
+    sockets.mkdir(parents=True, exist_ok=True)
     return ["--KernelManager.transport=ipc", f"--KernelManager.ip={sockets / 'k'}", "--Execute.timeout=120"]
 
 
@@ -301,34 +303,44 @@ def _answered(release_nb, source_nb, slips: dict[str, str]):
     return nb
 
 
+def _grade_one_assignment(course: Path, assignment: str, name: str) -> tuple:
+    """One assignment from release to feedback, the commands an instructor runs for it: generate_assignment, four
+    submissions written, autograde, generate_feedback, all with the assignment's own gradebook. Returns its release
+    and source notebooks."""
+    db = f"--db=sqlite:///{course / f'gradebook-{assignment}.db'}"
+    _finish(_nbgrader(course, "generate_assignment", assignment, "--force", db), f"generate_assignment {assignment}")
+    release, source = read(course / "release" / assignment / name), read(course / "source" / assignment / name)
+    for student in STUDENTS:
+        if student == "correct":
+            nb = source
+        elif student == "blank":
+            nb = release
+        else:
+            group = student[-1]
+            nb = _answered(release, source, {n: code for n, (g, code, _) in SLIPS.items() if g == group})
+        target = course / "submitted" / student / assignment / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, str(target))
+    _finish(_nbgrader(course, "autograde", assignment, db, *_kernel_options(course, assignment)),
+            f"autograde {assignment}")
+    _finish(_nbgrader(course, "generate_feedback", assignment, db), f"generate_feedback {assignment}")
+    return release, source
+
+
 def run_pipeline(course: Path) -> dict:
     """Lay out a course of chapters 03 and 04 in ``course``, release them, autograde four students and write
     their feedback. Returns the releases, scores {(assignment, student): {grade_id: score}} and feedback HTML."""
     layout_course(course, ["03", "04"])
-    for assignment in PIPELINE_CHAPTERS:
-        _finish(_nbgrader(course, "generate_assignment", assignment, "--force"), f"generate_assignment {assignment}")
-    releases, sources = {}, {}
-    for assignment, name in PIPELINE_CHAPTERS.items():
-        releases[assignment] = read(course / "release" / assignment / name)
-        sources[assignment] = read(course / "source" / assignment / name)
-        for student in STUDENTS:
-            if student == "correct":
-                nb = sources[assignment]
-            elif student == "blank":
-                nb = releases[assignment]
-            else:
-                group = student[-1]
-                nb = _answered(releases[assignment], sources[assignment],
-                               {n: code for n, (g, code, _) in SLIPS.items() if g == group})
-            target = course / "submitted" / student / assignment / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            nbformat.write(nb, str(target))
-    # One gradebook per assignment; the autogrades run one after the other.
-    for assignment in PIPELINE_CHAPTERS:
-        shutil.copy(course / "gradebook.db", course / f"gradebook-{assignment}.db")
-        db = f"--db=sqlite:///{course / f'gradebook-{assignment}.db'}"
-        _finish(_nbgrader(course, "autograde", assignment, db, *_kernel_options(course)), f"autograde {assignment}")
-        _finish(_nbgrader(course, "generate_feedback", assignment, db), f"generate_feedback {assignment}")
+    # Each assignment has a gradebook and a kernel socket folder of its own, and writes only under its own folders
+    # (release/chNN, submitted/*/chNN, ...): the two assignments share nothing, so they go through the pipeline side
+    # by side, one thread each (the machine has two cores; one chain of nbgrader commands keeps about one busy).
+    # Each thread runs the same commands, in the same order, as an instructor grading that assignment alone.
+    with ThreadPoolExecutor(max_workers=len(PIPELINE_CHAPTERS)) as pool:
+        running = {assignment: pool.submit(_grade_one_assignment, course, assignment, name)
+                   for assignment, name in PIPELINE_CHAPTERS.items()}
+        done = {assignment: future.result() for assignment, future in running.items()}  # a failure re-raises here
+    releases = {assignment: release for assignment, (release, _) in done.items()}
+    sources = {assignment: source for assignment, (_, source) in done.items()}
     scores, feedback = {}, {}
     for assignment, name in PIPELINE_CHAPTERS.items():
         from nbgrader.api import Gradebook
