@@ -482,9 +482,9 @@ WHOLE_DV = dict(block_dv=128, num_warps=8, num_stages=3)
 WHOLE_DV_PER_SM = 1
 """Programs of :data:`WHOLE_DV`'s tiles that run on one SM at once (:func:`choose_segments`' ``per_sm``). At
 d = 128 three stages of 64-row tiles of q, k and v (48 KB a stage) and the state's 16-bit copy for its dot need
-more than half of an SM's shared memory, so one program holds the SM: 16 segments of a 16-head sequence (256
-programs) are two waves on 132 SMs, 8 segments one wave that skips half of the pre-pass's second reads, and 9 a
-second wave of 12 programs. Measured on an H100 (``python -m lightning_edu.perf.segments``,
+more than half of an SM's 228 KB of shared memory, so one program holds the SM, and the times below show it: 16
+segments of a 16-head sequence (256 programs) are two waves on 132 SMs, 8 segments one wave, whose pre-pass
+re-reads 7/8 of K and V instead of 15/16, and 9 segments a second wave of 12 programs. Measured on an H100 (``python -m lightning_edu.perf.segments``,
 notebooks/data/segments_h100.json: bf16, 16 heads, one sequence, these tiles through descriptors, the GPU's time
 by CUDA graph), 8 / 9 / 16 segments: 0.299 / 0.460 / 0.332 ms at 32K tokens; at 128K, where a segment's main pass
 is four times longer, 1.234 / 1.721 / 1.222 ms, a tie within the spread of repeated runs."""
