@@ -174,7 +174,7 @@ def test_a_forward_with_no_backward_takes_d_v_whole_where_its_tiles_load_by_desc
     assert num_seg < choose_segments(2, 70, cfg["block"], sms, None, short)[0]
     seen = []
     real = la2_fast._forward_form
-    monkeypatch.setattr(la2_fast, "_forward_form", lambda *a, **kw: seen.append(a[7:11:3]) or real(*a, **kw))
+    monkeypatch.setattr(la2_fast, "_forward_form", lambda *a, **kw: seen.append((a[7], a[10])) or real(*a, **kw))
     o, sn = la2_fast_forward(q, k, v, l2)
     o2, s2 = la2_fast_forward(q, k, v, l2, tma=False)
     assert seen[0] == (128, seg_len)  # (block_dv, seg_len): d_v whole on the backend's plan's segments with descriptors
