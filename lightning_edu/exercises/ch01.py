@@ -30,9 +30,14 @@ def _best_seconds(fn, *args, repeat: int = 3) -> float:
 
 # Work, not memory: a loop over the rows (or blocks of rows) of Q, each multiplied by all of K, never holds an
 # n x n matrix but still does n^2 work. Timed at two lengths 64 times apart: Q (K^T V) takes at most ~64 times
-# longer (less, as fixed costs dominate at the short one), n^2 work ~4096 times.
+# longer (less, as fixed costs dominate at the short one), n^2 work ~4096 times, less the loop's fixed cost per
+# row. d = 16 makes each row's work at the long length outweigh that fixed cost: on a 2-core machine row loops
+# (of the left product, of the normalised weights) measured 690-1080 times, every linear answer tried 5-69 times
+# (with d = 4 the row loops gave only 450-680). The line sits near the geometric mean of 69 and 690, a factor 3
+# from each.
 _TIME_LENGTHS = (256, 16384)
-_TIME_RATIO = 250.0
+_TIME_D = 16
+_TIME_RATIO = 200.0
 _TIME_FLOOR = 0.02  # seconds at the long length below which nothing is called quadratic
 
 
@@ -58,8 +63,8 @@ def _no_n_by_n(name: str, fn, seed: int, hint: str) -> tuple[int, int]:
 def _linear_time(name: str, fn, seed: int, hint: str) -> None:
     """Refuse ``fn`` whose time grows like n^2: a loop over the rows of Q, each against all of K, needs no n x n
     matrix (so the memory check passes) and still does the left product's work."""
-    short, long = (random_qkv(1, 1, length, _MEMORY_D, seed=seed) for length in _TIME_LENGTHS)
-    t_short, t_long = _best_seconds(fn, *short), _best_seconds(fn, *long)
+    short, long = (random_qkv(1, 1, length, _TIME_D, seed=seed) for length in _TIME_LENGTHS)
+    t_short, t_long = _best_seconds(fn, *short, repeat=5), _best_seconds(fn, *long)
     ratio = t_long / max(t_short, 1e-6)
     if t_long > _TIME_FLOOR and ratio > _TIME_RATIO:
         n_short, n_long = _TIME_LENGTHS
