@@ -41,7 +41,7 @@ from ._tiles import (
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
-           "whole_dv_forward", "WHOLE_DV", "WHOLE_DV_PER_SM",
+           "whole_dv_forward", "whole_dv_plan", "WHOLE_DV", "WHOLE_DV_PER_SM",
            "sliced_forward", "SLICE", "value_slices",
            "finish_backward", "segment_states", "exact_pass", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
 
@@ -507,6 +507,16 @@ def whole_dv_forward(q, v) -> bool:
     return 64 < max(q.shape[-1], v.shape[-1]) <= 128 and backend_takes(q, v)
 
 
+def whole_dv_plan(q, v, block: int) -> tuple[dict, int, int]:
+    """(tiles, num_segments, seg_len) of a forward on :data:`WHOLE_DV`'s tiles (where :func:`whole_dv_forward`
+    says so), for (batch, heads, n, d) tensors and ``block``-row blocks: ``tiles`` a copy of WHOLE_DV; one program
+    per (batch, head) and segment, :data:`WHOLE_DV_PER_SM` of them per SM (:func:`choose_segments`). The one place
+    that plans it: the backend's plan (``ops.launch_plan``) and :func:`la2_fast_forward` both ask here."""
+    num_seg, seg_len = choose_segments(q.shape[0] * q.shape[1], q.shape[2], block, _sm_count(q.device), None,
+                                       short_blocks(q.device), WHOLE_DV_PER_SM)
+    return dict(WHOLE_DV), num_seg, seg_len
+
+
 def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: int) -> tuple[int, int, int]:
     """(block, num_warps, num_stages) of the segment pre-pass (``_segment_state_kernel``) for 16-bit inputs: 32-row
     blocks, 4 warps, 4 stages. The pre-pass only streams K and V through one dot per block, so it wants more
@@ -653,9 +663,8 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None 
     if plan is not None:
         block_dv, num_stages, seg_len = plan
     elif backend_picks and whole_dv_forward(q, v) and tma is not False:
-        block_dv, num_warps, num_stages = WHOLE_DV.values()
-        _, seg_len = choose_segments(q.shape[0] * q.shape[1], q.shape[2], block, _sm_count(q.device), None,
-                                     short_blocks(q.device), WHOLE_DV_PER_SM)
+        tiles, _, seg_len = whole_dv_plan(q, v, block)
+        block_dv, num_warps, num_stages = tiles["block_dv"], tiles["num_warps"], tiles["num_stages"]
     s0 = dense(initial_state.float()) if initial_state is not None else None
     o, sn, aux = _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len,
                                store_incoming=save_states, tma=_tma(tma, q, v))

@@ -56,8 +56,8 @@ from ..torch_chunked import decay_gradient, first_derivative_only
 from . import _tiles, la2_tma
 from ._tiles import compile_ahead, interpreted, is_dense, record_plan, sm_count, upcast_for_interpreter
 from .la2_fast import (
-    WHOLE_DV, WHOLE_DV_PER_SM, choose_segments, la2_fast_forward, output_like, short_blocks, sliced_plan, value_slices,
-    whole_dv_forward,
+    choose_segments, la2_fast_forward, output_like, short_blocks, sliced_plan, value_slices, whole_dv_forward,
+    whole_dv_plan,
 )
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
@@ -86,7 +86,8 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
     :func:`~.la2_fast.choose_segments`); the forward op passes this seg_len to it explicitly, so the saved
     segment states always have the layout computed here. A forward that saves no states (no backward to follow)
     may instead take :func:`~.la2_fast.sliced_forward`'s plan: 32-column slices of d_v as one segment; or, where
-    that does not apply and its tiles load through descriptors, d_v whole (:func:`~.la2_fast.whole_dv_forward`).
+    that does not apply and its tiles load through descriptors, d_v whole (:func:`~.la2_fast.whole_dv_forward`,
+    on :func:`~.la2_fast.whole_dv_plan`'s segments, as la2_fast_forward takes them).
     """
     from . import tiles_for  # the package defines it before importing this module
 
@@ -97,12 +98,12 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
     if sliced is not None:
         block_dv, num_stages, seg_len = sliced
         return {**cfg, "block_dv": block_dv, "num_stages": num_stages}, seg_len, 1
-    per_sm = 2
     if not save_states and block_size is None and whole_dv_forward(q, v):
-        cfg, per_sm = {**cfg, **WHOLE_DV}, WHOLE_DV_PER_SM
+        tiles, num_seg, seg_len = whole_dv_plan(q, v, cfg["block"])
+        return {**cfg, **tiles}, seg_len, num_seg
     _, slices = value_slices(d_v, cfg["block_dv"])  # as la2_fast_forward will
     num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sm_count(q.device), None,
-                                       short_blocks(q.device), per_sm)
+                                       short_blocks(q.device))
     return cfg, seg_len, num_seg
 
 
