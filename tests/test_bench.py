@@ -155,6 +155,18 @@ def test_environment_commit_prefers_the_variable_given_for_a_copied_checkout(mon
     assert git_commit() != "0123456789abcdef"
 
 
+def test_a_record_is_saved_whole_or_not_at_all(tmp_path):
+    from lightning_edu.perf.environment import save_record
+
+    path = tmp_path / "r.json"
+    save_record(path, {"results": [1.5]})
+    assert json.loads(path.read_text()) == {"results": [1.5]} and path.read_text().startswith('{\n "results"')
+    with pytest.raises(TypeError):  # the writer fails half-way (a value JSON cannot hold), as a run cut short would
+        save_record(path, {"results": [2.5, object()]})
+    assert json.loads(path.read_text()) == {"results": [1.5]}  # the last whole record stays
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]  # and no temporary file is left beside it
+
+
 def test_interleaved_rounds_rotate_the_order_and_take_medians():
     calls = []
     clock = iter(range(100))  # each call is slower than the one before: a drifting machine

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import sys
@@ -36,7 +35,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .. import registry
-from .environment import environment_record
+from .environment import environment_record, save_record
 
 __all__ = ["backward_on_caller", "hbm_floor_bytes", "head_decays", "Method", "METHODS", "RECORDED_NAMES", "registry_methods", "method_name",
            "with_current_names", "interleaved", "main"]
@@ -448,8 +447,7 @@ def run_table(args) -> dict:
             results.append(row)
         data["results"] = results
         if args.out:  # written after every shape: a run cut short still leaves what it measured
-            with open(args.out, "w") as f:
-                json.dump(data, f, indent=1)
+            save_record(args.out, data)
         del q, k, v, do, measures
         torch.cuda.empty_cache()
     data["results"] = results
@@ -599,8 +597,7 @@ def main(argv=None) -> int:
     data = run_tune(args) if args.tune else run_tiny(args) if args.tiny else run_table(args)
     data["wall_s"] = round(time.time() - start, 1)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(data, f, indent=1)
+        save_record(args.out, data)
     if not (args.tune or args.tiny):
         print(_table(data))
     return 0

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     from ..triton_kernels import log2_decay_tensor
     from ..triton_kernels.decode import decode_step
     from .bench import copy_bandwidth, head_decays
-    from .environment import environment_record, usage_refused
+    from .environment import environment_record, save_record, usage_refused
 
     argv = sys.argv[1:] if argv is None else argv
     refused = usage_refused(argv, __doc__)
@@ -97,8 +97,7 @@ def main(argv=None) -> int:
     d = 128
 
     def save():
-        with open(path, "w") as f:
-            json.dump(record, f, indent=1)
+        save_record(path, record)
 
     def rand(*shape):
         return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)

@@ -23,7 +23,6 @@ from its own seeded generator: a shorter run sees exactly the first tokens of a 
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -184,7 +183,7 @@ def state_drift(n_tokens: int, decay: float = 1.0, *, inputs: str = "float32", s
 
 
 def main(argv=None) -> int:
-    from .environment import environment_record, usage_refused
+    from .environment import environment_record, save_record, usage_refused
 
     argv = sys.argv[1:] if argv is None else argv
     refused = usage_refused(argv, __doc__, counts=(1, 2))
@@ -205,8 +204,7 @@ def main(argv=None) -> int:
                         record["results"].append(run)
                         print(f"{time.time() - start:5.0f}s {distribution} decay={decay} {inputs} {update} {state}: "
                               f"final state error {run['state_error'][-1]:.2g} ({run['seconds']:.1f} s)", flush=True)
-                        with open(path, "w") as f:
-                            json.dump(record, f, indent=1)
+                        save_record(path, record)
     return 0
 
 

@@ -9,13 +9,14 @@ gpu_tests_h200) name no commit. The GPU driver version comes from NVML
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["environment_record", "git_commit", "usage_refused", "gpu_record"]
+__all__ = ["environment_record", "git_commit", "usage_refused", "gpu_record", "save_record"]
 
 
 def git_commit() -> str | None:
@@ -121,3 +122,18 @@ def gpu_record(argv: list[str], doc: str, module: str, **fields) -> dict | int:
 
     return {**environment_record(f"python -m lightning_edu.perf.{module} " + " ".join(argv)), **fields,
             "copy_bandwidth_bytes_per_s": copy_bandwidth()}
+
+
+def save_record(path, record: dict) -> None:
+    """Write ``record`` to ``path`` as JSON (indented one space, as every recorded file is), whole or not at all:
+    into a temporary file beside it, then renamed over it. The measuring modules save after every shape so that a
+    run cut short still leaves what it measured; a run cut short while writing leaves the last whole record."""
+    path = os.fspath(path)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

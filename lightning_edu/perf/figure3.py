@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -17,7 +16,7 @@ from ..triton_kernels._tiles import sm_count
 from ..triton_kernels.la1 import la1_backward, la1_forward
 from ..triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
 from .bench import copy_bandwidth, head_decays
-from .environment import environment_record, usage_refused
+from .environment import environment_record, save_record, usage_refused
 
 __all__ = ["figure3_benchmark"]
 
@@ -124,8 +123,7 @@ def main(argv=None) -> int:
             record["copy_bandwidth_GBps"] = row["copy_bandwidth_GBps"]
         else:
             record["results"].append(row)
-        with open(target, "w") as f:
-            json.dump(record, f, indent=1)
+        save_record(target, record)
 
     figure3_benchmark(progress=save)
     print("wrote", target)

@@ -87,7 +87,7 @@ print(json.dumps(row))
 
 
 def main(argv=None) -> int:
-    from .environment import environment_record, usage_refused
+    from .environment import environment_record, save_record, usage_refused
 
     argv = sys.argv[1:] if argv is None else argv
     refused = usage_refused(argv, __doc__)
@@ -107,8 +107,7 @@ def main(argv=None) -> int:
                 row["error"] = run.stderr[-500:]
         record["results"].append(row)
         print(json.dumps(row), flush=True)
-        with open(argv[0], "w") as f:
-            json.dump(record, f, indent=1)
+        save_record(argv[0], record)
     return 0
 
 

@@ -151,7 +151,7 @@ def measure(d: int = 64, T: int = 256, rounds: int = 15, calls: int = 20) -> lis
 
 
 def main(argv=None) -> int:
-    from .environment import environment_record
+    from .environment import environment_record, save_record
 
     parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.host", description=__doc__.splitlines()[0])
     parser.add_argument("out")
@@ -178,8 +178,7 @@ def main(argv=None) -> int:
                            preexec_fn=lambda: os.sched_setaffinity(0, {core}))
     record["one_core"] = core
     record["results_one_core"] = json.loads(child.stdout.strip().splitlines()[-1])
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+    save_record(args.out, record)
     for key in ("results", "results_one_core"):
         print(key)
         for row in record[key]:

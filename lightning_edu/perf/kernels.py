@@ -254,7 +254,7 @@ def measure(D: int, T: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from .environment import environment_record
+    from .environment import environment_record, save_record
 
     parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.kernels", description=__doc__.splitlines()[0])
     parser.add_argument("out")
@@ -288,8 +288,7 @@ def main(argv=None) -> int:
                       f"{x['written_tensors']:.2f} tensors {x['dram_TBps']} TB/s ({x['dram_pct_of_peak']}% of peak) "
                       f"L2 hit {x['l2_hit_pct']}% tensor pipe {x['tensor_pipe_pct']}% warps {x['warps_active_pct']}"
                       f"/{x['warps_limit_pct']}% regs {x['registers']}", flush=True)
-            with open(args.out, "w") as f:  # after every shape: a run cut short still leaves what it measured
-                json.dump(record, f, indent=1)
+            save_record(args.out, record)  # after every shape: a run cut short still leaves what it measured
     return 0
 
 

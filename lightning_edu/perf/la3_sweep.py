@@ -22,7 +22,7 @@ import sys
 import time
 
 from .bench import head_decays
-from .environment import environment_record, usage_refused
+from .environment import environment_record, save_record, usage_refused
 from .resources import compiled_resources
 
 __all__ = ["TILES", "main"]
@@ -56,8 +56,7 @@ def main(argv=None) -> int:
               "results": [], "resources": [], "errors": []}
 
     def save():
-        with open(path, "w") as f:
-            json.dump(record, f, indent=1)
+        save_record(path, record)
 
     decay = head_decays(HEADS).tolist()
     l2 = log2_decay_tensor(decay, "cuda")

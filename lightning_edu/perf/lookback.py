@@ -26,7 +26,7 @@ import json
 import sys
 
 from .bench import copy_bandwidth, hbm_floor_bytes, head_decays
-from .environment import environment_record, usage_refused
+from .environment import environment_record, save_record, usage_refused
 
 __all__ = ["SEG_LENS", "NCU_SEG_LENS", "SHAPES", "main"]
 
@@ -104,8 +104,7 @@ def main(argv=None) -> int:
     log2_decay = torch.tensor(np.log2(head_decays(HEADS)), dtype=torch.float32, device="cuda")
 
     def save():
-        with open(path, "w") as f:
-            json.dump(record, f, indent=1)
+        save_record(path, record)
 
     for d, t in SHAPES:
         batch = max(1, 32768 // t)

@@ -47,7 +47,6 @@ to its file's experiment.)
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -57,7 +56,7 @@ import torch
 from ..models import Decoder, evaluate_mqar, mqar_batch, mqar_batches
 from ..models.lm import VOCAB, evaluate_lm, lm_batches, split_corpus
 from ..models.train import train, train_step
-from .environment import environment_record
+from .environment import environment_record, save_record
 
 __all__ = ["KINDS", "PRESETS", "lm_run", "mqar_run", "main"]
 
@@ -194,8 +193,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
 
     def save():
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        save_record(args.out, record)
 
     def over_budget(what):
         if time.perf_counter() - start > args.budget:

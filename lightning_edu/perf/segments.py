@@ -19,11 +19,10 @@ segment but the last a second time, so fewer segments also move fewer bytes.
 
 from __future__ import annotations
 
-import json
 import sys
 
 from .bench import hbm_floor_bytes, head_decays
-from .environment import gpu_record
+from .environment import gpu_record, save_record
 
 __all__ = ["SEGMENTS", "STAGES", "LENGTHS", "main"]
 
@@ -72,8 +71,7 @@ def main(argv=None) -> int:
                                      "floor_frac": floor_ms / ms})
                 print(f"T={t} {stages} stages, {segments:2d} segments: {ms:.4f} ms", flush=True)
         record["results"].append(row)
-        with open(argv[0], "w") as f:
-            json.dump(record, f, indent=1)
+        save_record(argv[0], record)
     return 0
 
 

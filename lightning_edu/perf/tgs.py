@@ -23,7 +23,6 @@ nothing about the GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -91,7 +90,7 @@ def main(argv=None) -> int:
     import torch
 
     from ..models.train import train_step
-    from .environment import environment_record
+    from .environment import environment_record, save_record
 
     parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.tgs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=["0.4B", "0.1B"])
@@ -114,8 +113,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
 
     def save():
-        with open(args.out, "w") as f:
-            json.dump(record, f, indent=1)
+        save_record(args.out, record)
 
     for size in args.sizes:
         for name in args.models:

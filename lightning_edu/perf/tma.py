@@ -15,11 +15,10 @@ floor at the measured copy bandwidth. One JSON record with the machine, versions
 
 from __future__ import annotations
 
-import json
 import sys
 
 from .bench import hbm_floor_bytes, head_decays
-from .environment import gpu_record
+from .environment import gpu_record, save_record
 
 __all__ = ["TILES", "SHAPES", "main"]
 
@@ -67,8 +66,7 @@ def main(argv=None) -> int:
             x = row["tiles"][-1]
             print(f"d={d} T={t} {name}: pointers {x['pointers_ms']:.3f} ms, TMA {x['tma_ms']:.3f} ms", flush=True)
         record["results"].append(row)
-        with open(argv[0], "w") as f:
-            json.dump(record, f, indent=1)
+        save_record(argv[0], record)
     return 0
 
 
