@@ -134,9 +134,13 @@ _HINTS = {
 }
 
 
+def _tolerance(want) -> dict:
+    """The tolerances of every comparison here: _RTOL, relative to the larger of want's largest entry and 1."""
+    return {"rtol": _RTOL, "atol": _RTOL * max(float(np.max(np.abs(want))), 1.0)}
+
+
 def _close(got, want) -> bool:
-    """Equal to _RTOL, relative to the larger of want's largest entry and 1."""
-    return np.allclose(got, want, rtol=_RTOL, atol=_RTOL * max(float(np.max(np.abs(want))), 1.0))
+    return np.allclose(got, want, **_tolerance(want))
 
 
 def _first_wrong(got, ref):
@@ -283,8 +287,7 @@ def check_finish_outputs(finish_outputs, seed: int = 0) -> None:
             for name, variant in _finish_variants(o_local, q[:, s], ins[r], lam).items():
                 if _close(got, variant):
                     raise ExerciseError(f"the outputs are wrong {where}: {_FINISH_HINTS[name]}")
-            scale = max(float(np.max(np.abs(ref))), 1.0)
-            bad = np.argwhere(~np.isclose(got, ref, rtol=_RTOL, atol=_RTOL * scale))[0]
+            bad = np.argwhere(~np.isclose(got, ref, **_tolerance(ref)))[0]
             raise ExerciseError(f"the outputs are wrong {where}, first at head {bad[0]}, row {bad[1]} of the slice: "
                                 f"{got[tuple(bad)]:.6g} against {ref[tuple(bad)]:.6g}. Row t must equal the output "
                                 "of the whole sequence: o_local[t] + lam**(t+1) * (q[t] @ IN_r), per head")
