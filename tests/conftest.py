@@ -37,23 +37,11 @@ def torch_threads():
     return _torch_threads
 
 
-# The GPU tests with cases of 20-75 s on an H100 (the durations in notebooks/data/gpu_tests_h100.json): they start
-# right after the grouped cases, so that no worker picks one up while the others are finishing.
-LONG_GPU_TESTS = frozenset({
-    "test_variant_forward_backward", "test_la3_backward_matches_algorithm2",
-    "test_packed_batch_on_cuda_equals_one_call_per_sequence", "test_compile_fullgraph_inductor_bf16",
-    "test_opcheck_cuda", "test_a_first_call_compiles_every_kernel_ahead",
-    "test_decay_near_zero_and_long_sequence_stay_finite",
-})
-
-
 def pytest_collection_modifyitems(config, items):
     """Cases that share a worker (``xdist_group``, tests/kernel_cases.py) are the GPU cases that compile the most;
-    run them first, then the other long GPU tests (:data:`LONG_GPU_TESTS`), so that under ``pytest -n N --dist
-    loadgroup`` the longest work starts at once rather than last. The sort is stable: every other test keeps its
-    order."""
-    items.sort(key=lambda item: (item.get_closest_marker("xdist_group") is None,
-                                 getattr(item, "originalname", item.name) not in LONG_GPU_TESTS))
+    run them first, so that under ``pytest -n N --dist loadgroup`` the longest work starts at once rather than last.
+    The sort is stable: every other test keeps its order."""
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
 
 
 @pytest.fixture(autouse=True)

@@ -263,12 +263,9 @@ def _assert_matches_numpy(q, k, v, s0, decays, o, sn, bound):
 # 4. On a GPU: opcheck on CUDA, and torch.compile(fullgraph=True) with Inductor in bf16.
 
 
-# Four of the eight (shape, dtype, initial state) combinations, chosen so that every pair of values of any two of
-# the three appears (an orthogonal array): each case costs the GPU suite about 30 s of a worker, mostly opcheck's
-# traces, and what opcheck checks (schema, fake kernel, autograd registration) does not hang on a three-way pairing.
 @cases("shape,dtype,with_state", {
-    "cuda": [(GPU_SHAPES[0], torch.bfloat16, False), (GPU_SHAPES[0], torch.float32, True),
-             (GPU_SHAPES[1], torch.bfloat16, True), (GPU_SHAPES[1], torch.float32, False)],
+    "cuda": [(shape, dtype, with_state) for dtype in (torch.bfloat16, torch.float32) for shape in GPU_SHAPES
+             for with_state in (False, True)],
 })
 def test_opcheck_cuda(device, shape, dtype, with_state):
     q, k, v, s0 = _inputs(shape, dtype=dtype, device=device)

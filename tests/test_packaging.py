@@ -186,12 +186,3 @@ def test_every_listed_notebook_exists():
     # One failure naming every missing file; tests/test_notebook_format.py has one test per chapter as well.
     missing = [c.file for c in chapters(ROOT) if not c.path.is_file()]
     assert not missing, f"book.toml lists notebooks that do not exist: {missing}"
-
-
-def test_every_long_gpu_test_named_first_exists():
-    """tests/conftest.py starts the long GPU tests it names first; a renamed test would silently drop out of that."""
-    from conftest import LONG_GPU_TESTS
-
-    sources = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
-    missing = sorted(name for name in LONG_GPU_TESTS if f"def {name}(" not in sources)
-    assert not missing, f"tests/conftest.py names tests that do not exist: {missing}"
