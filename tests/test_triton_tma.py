@@ -171,7 +171,7 @@ def test_a_forward_with_no_backward_takes_d_v_whole_where_its_tiles_load_by_desc
     # one program of these tiles per SM (WHOLE_DV_PER_SM): half the segments two per SM would give (4 SMs here)
     sms, short = la2_fast._sm_count(q.device), la2_fast.short_blocks(q.device)
     assert (num_seg, seg_len) == choose_segments(2, 70, cfg["block"], sms, None, short, la2_fast.WHOLE_DV_PER_SM)
-    assert la2_fast.whole_dv_plan(q, v, cfg["block"]) == (la2_fast.WHOLE_DV, num_seg, seg_len)
+    assert la2_fast.whole_dv_plan(q, cfg["block"]) == (la2_fast.WHOLE_DV, num_seg, seg_len)
     assert num_seg < choose_segments(2, 70, cfg["block"], sms, None, short)[0]
     seen = []
     real = la2_fast._forward_form

@@ -507,9 +507,9 @@ def whole_dv_forward(q, v) -> bool:
     return 64 < max(q.shape[-1], v.shape[-1]) <= 128 and backend_takes(q, v)
 
 
-def whole_dv_plan(q, v, block: int) -> tuple[dict, int, int]:
+def whole_dv_plan(q, block: int) -> tuple[dict, int, int]:
     """(tiles, num_segments, seg_len) of a forward on :data:`WHOLE_DV`'s tiles (where :func:`whole_dv_forward`
-    says so), for (batch, heads, n, d) tensors and ``block``-row blocks: ``tiles`` a copy of WHOLE_DV; one program
+    says so), for a (batch, heads, n, d) query and ``block``-row blocks: ``tiles`` a copy of WHOLE_DV; one program
     per (batch, head) and segment, :data:`WHOLE_DV_PER_SM` of them per SM (:func:`choose_segments`). The one place
     that plans it: the backend's plan (``ops.launch_plan``) and :func:`la2_fast_forward` both ask here."""
     num_seg, seg_len = choose_segments(q.shape[0] * q.shape[1], q.shape[2], block, _sm_count(q.device), None,
@@ -663,7 +663,7 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None 
     if plan is not None:
         block_dv, num_stages, seg_len = plan
     elif backend_picks and whole_dv_forward(q, v) and tma is not False:
-        tiles, _, seg_len = whole_dv_plan(q, v, block)
+        tiles, _, seg_len = whole_dv_plan(q, block)
         block_dv, num_warps, num_stages = tiles["block_dv"], tiles["num_warps"], tiles["num_stages"]
     s0 = dense(initial_state.float()) if initial_state is not None else None
     o, sn, aux = _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len,

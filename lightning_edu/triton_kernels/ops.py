@@ -99,7 +99,7 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
         block_dv, num_stages, seg_len = sliced
         return {**cfg, "block_dv": block_dv, "num_stages": num_stages}, seg_len, 1
     if not save_states and block_size is None and whole_dv_forward(q, v):
-        tiles, num_seg, seg_len = whole_dv_plan(q, v, cfg["block"])
+        tiles, num_seg, seg_len = whole_dv_plan(q, cfg["block"])
         return {**cfg, **tiles}, seg_len, num_seg
     _, slices = value_slices(d_v, cfg["block_dv"])  # as la2_fast_forward will
     num_seg, seg_len = choose_segments(batch * heads * slices, n, cfg["block"], sm_count(q.device), None,
