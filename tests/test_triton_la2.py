@@ -264,3 +264,51 @@ def test_log2_decay_is_built_once_per_device_and_values():
     assert a.tolist() == [-1.0, 0.0] and a.dtype == torch.float32
     assert log2_decay_tensor(np.array([0.5, 1.0]), torch.device("cpu")) is a  # no new host-to-device copy
     assert log2_decay_tensor([0.25, 1.0], "cpu") is not a
+
+
+@on("cpu")
+@pytest.mark.parametrize("reverse", [False, True])
+def test_the_prepass_sums_each_segment_in_either_order(device, monkeypatch, reverse):
+    # Each segment's local state, sum over its positions p (in processing order) of lambda^(end-1-p) k_p^T v_p,
+    # against float64, with the pre-pass summing from the segment's start (Horner) and from its end
+    # (la2_fast.PREPASS_TAIL_FIRST); float16 sums from the start whatever the setting (its operands would lose
+    # the small powers), so both settings give it the same bits.
+    from lightning_edu.triton_kernels import la2_fast
+
+    heads, n, d_k, d_v, block, seg_len = 2, 100, 16, 32, 16, 48
+    lam = np.array([0.93, 0.3])
+    gen = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, heads, n, d_k, generator=gen), torch.randn(1, heads, n, d_v, generator=gen)
+    log2_decay = torch.tensor(np.log2(lam), dtype=torch.float32)
+    num_seg = -(-n // seg_len)
+
+    def states(dtype, tail_first):
+        monkeypatch.setattr(la2_fast, "PREPASS_TAIL_FIRST", tail_first)
+        seg = torch.zeros(heads, num_seg, d_k, d_v)
+        la2_fast.segment_states(k.to(dtype), v.to(dtype), log2_decay, seg, seg_len, block, 32, 4, 2, reverse)
+        return seg[:, : num_seg - 1].double().numpy()  # the last segment's state is never needed, nor written
+
+    k64, v64 = _np(k)[0], _np(v)[0]
+    if reverse:
+        k64, v64 = k64[:, ::-1], v64[:, ::-1]
+    want = np.zeros((heads, num_seg - 1, d_k, d_v))
+    for j in range(num_seg - 1):
+        p = np.arange(j * seg_len, (j + 1) * seg_len)
+        w = lam[:, None] ** ((j + 1) * seg_len - 1 - p)[None, :]  # (heads, rows)
+        want[:, j] = np.einsum("hp,hpk,hpv->hkv", w, k64[:, p], v64[:, p])
+    start, tail = states(torch.float32, False), states(torch.float32, True)
+    for name, got in (("start first", start), ("tail first", tail)):
+        err = relative_error(got, want)
+        assert err < 1e-6, f"{name}: {err:.1e}"
+    assert not np.array_equal(start, tail)  # the same sum, rounded in another order
+    assert np.array_equal(states(torch.float16, False), states(torch.float16, True))
+
+
+def test_prepass_measurement_refuses_bad_command_lines(capsys):
+    from lightning_edu.perf import prepass
+
+    assert prepass.main(["--help"]) == 0
+    assert prepass.main([]) == 2 and prepass.main(["-o"]) == 2
+    assert "python -m lightning_edu.perf.prepass OUT.json" in capsys.readouterr().out
+    if not torch.cuda.is_available():  # a command line it would run, on a machine it cannot measure
+        assert prepass.main(["out.json"]) == 1 and "none is available here" in capsys.readouterr().out

@@ -43,7 +43,7 @@ from ._tiles import (
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
            "whole_dv_forward", "whole_dv_plan", "WHOLE_DV", "WHOLE_DV_PER_SM",
            "sliced_forward", "SLICE", "value_slices",
-           "finish_backward", "segment_states", "exact_pass", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
+           "finish_backward", "segment_states", "PREPASS_TAIL_FIRST", "exact_pass", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
 
 
 @triton.jit
@@ -59,8 +59,10 @@ def _segment_state_kernel(
     K, V, SEG, LOG2_DECAY, n, H, seg_len, skb, skh, skn: tl.constexpr, svb, svh, svn: tl.constexpr,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK: tl.constexpr, REVERSE: tl.constexpr, PRECISION: tl.constexpr, CONTIGUOUS: tl.constexpr = False,
+    TAIL_FIRST: tl.constexpr = False,
 ):
-    """Local state of one full segment: sum over its rows of lambda^(end-1-p) k_p^T v_p.
+    """Local state of one full segment: sum over its rows of lambda^(end-1-p) k_p^T v_p; with TAIL_FIRST its blocks
+    are summed from the segment's end back to its start (:data:`PREPASS_TAIL_FIRST`).
 
     Grid (batch*heads, num_segments - 1, cdiv(d_v, BLOCK_DV)); SEG is (batch*heads, num_segments, d_k, d_v) fp32.
     K and V are (batch, heads, n, d) with any batch, head and row strides (``skb, skh, skn``; ``svb, svh, svn``);
@@ -81,25 +83,41 @@ def _segment_state_kernel(
     v_ok = offs_v < D_V
     start = seg * seg_len
     kv = _local_state(K, V, start, start + seg_len, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, skn, svn,
-                      PAD_K, BLOCK_DV, BLOCK, REVERSE, PRECISION)
+                      PAD_K, BLOCK_DV, BLOCK, REVERSE, PRECISION, TAIL_FIRST)
     tl.store(SEG + seg * D_K * D_V + offs_k[:, None] * D_V + offs_v[None, :], kv, mask=k_ok[:, None] & v_ok[None, :])
 
 
 @triton.jit
 def _local_state(K, V, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, skn: tl.constexpr,
                  svn: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
-                 REVERSE: tl.constexpr, PRECISION: tl.constexpr):
+                 REVERSE: tl.constexpr, PRECISION: tl.constexpr, TAIL_FIRST: tl.constexpr = False):
     """sum over positions p in [start, end) of lambda^(end-1-p) k_p^T v_p, from zero: a segment's local state.
-    [start, end) is whole blocks (segments before the last are). K and V point at one head."""
+    [start, end) is whole blocks (segments before the last are). K and V point at one head.
+
+    Blocks in processing order, Horner's rule (state times lambda^B, plus the block); with TAIL_FIRST from the
+    last block back to the first, block i (counted from the end) weighted by lambda^(i B), a power computed
+    directly and at most 1, folded into the key operand (so the dot accumulates into the state in place: scaling
+    its float32 result instead cost a second 128 x 128 float32 tile at d = 128). Same sum, rounded in another
+    order. The key operand then carries powers down to lambda^L: bfloat16 and float32 hold them as float32 does,
+    float16 flushes them to zero sooner (:func:`segment_states` sums float16 from the start)."""
     kv = tl.zeros((PAD_K, BLOCK_DV), dtype=tl.float32)
     block_decay = tl.exp2(log2_lam * BLOCK)
     k_scale = tl.exp2(log2_lam * (BLOCK - 1 - offs_r).to(tl.float32))
-    for blk in range(start, end, BLOCK):
-        rows = _row_offsets(blk + offs_r, n, REVERSE)
-        k = tl.load(K + rows[:, None] * skn + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        v = tl.load(V + rows[:, None] * svn + offs_v[None, :], mask=v_ok[None, :], other=0.0)
-        ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
-        kv = kv * block_decay + tl.dot(tl.trans(ks), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
+    if TAIL_FIRST:
+        for i in range(0, (end - start) // BLOCK):
+            rows = _row_offsets(end - BLOCK * (i + 1) + offs_r, n, REVERSE)
+            k = tl.load(K + rows[:, None] * skn + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+            v = tl.load(V + rows[:, None] * svn + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+            weight = tl.exp2(log2_lam * (i * BLOCK))
+            ks = (k.to(tl.float32) * (k_scale * weight)[:, None]).to(k.dtype)
+            kv = tl.dot(tl.trans(ks), v, acc=kv, input_precision=PRECISION)
+    else:
+        for blk in range(start, end, BLOCK):
+            rows = _row_offsets(blk + offs_r, n, REVERSE)
+            k = tl.load(K + rows[:, None] * skn + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+            v = tl.load(V + rows[:, None] * svn + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+            ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
+            kv = kv * block_decay + tl.dot(tl.trans(ks), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
     return kv
 
 
@@ -517,6 +535,12 @@ def whole_dv_plan(q, block: int) -> tuple[dict, int, int]:
     return dict(WHOLE_DV), num_seg, seg_len
 
 
+PREPASS_TAIL_FIRST = True
+"""Whether the segment pre-pass sums each segment from its end back to its start (``_local_state``'s TAIL_FIRST).
+The main pass then reads each segment from its start, so the rows the pre-pass read last are the rows the main
+pass reads first, and some of them are still in L2."""
+
+
 def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: int) -> tuple[int, int, int]:
     """(block, num_warps, num_stages) of the segment pre-pass (``_segment_state_kernel``) for 16-bit inputs: 32-row
     blocks, 4 warps, 4 stages. The pre-pass only streams K and V through one dot per block, so it wants more
@@ -768,6 +792,8 @@ def segment_states(k, v, log2_decay, seg, seg_len, block, block_dv, num_warps, n
     reversed with ``reverse``), for every segment but the last processed; nothing with one segment. k and v are
     (batch, heads, n, d) with contiguous rows, read in place. The passes of :func:`_forward_form` run it on their
     keys and values; the fused reverse sweeps (la2_fast's fused dK/dV, la3's dK/dV) on (q, dO), reversed."""
+    import torch
+
     batch, heads, n, d_k = k.shape
     d_v, num_seg = v.shape[-1], seg.shape[1]
     if num_seg > 1:
@@ -775,7 +801,8 @@ def segment_states(k, v, log2_decay, seg, seg_len, block, block_dv, num_warps, n
         launch(_segment_state_kernel, (batch * heads, num_seg - 1, cdiv(d_v, block_dv)))(
             k, v, seg, log2_decay, n, heads, seg_len, *_strides(k, v), D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k),
             BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=dot_precision(k),
-            CONTIGUOUS=k.is_contiguous() and v.is_contiguous(), num_warps=num_warps, num_stages=num_stages,
+            CONTIGUOUS=k.is_contiguous() and v.is_contiguous(), TAIL_FIRST=PREPASS_TAIL_FIRST and k.dtype != torch.float16, num_warps=num_warps,
+            num_stages=num_stages,
         )
 
 

@@ -1,0 +1,108 @@
+"""Which way the segment pre-pass sweeps: the backend's forward and forward + backward with each segment's local
+state summed from its start (the order Algorithm 1 walks) or from its end, on a GPU. (Chapter 07.)
+
+    python -m lightning_edu.perf.prepass OUT.json
+
+bf16, 16 heads, d in {64, 128}, B = max(1, 32768 / T) sequences of T in {8K, 32K, 128K} tokens (32K tokens per
+call), the benchmark's per-head decays. The two orders, :data:`~lightning_edu.triton_kernels.la2_fast.PREPASS_TAIL_FIRST`
+False and True, are timed in interleaved rounds, each time with the backend's launches planned afresh:
+
+- ``fwd_ms``: the forward with no backward to follow (:func:`~lightning_edu.triton_kernels.ops.forward_impl`),
+  ``triton.testing.do_bench``'s median, which empties L2 before every run, as the benchmark times;
+- ``fwd_graph_ms``: the same forward captured in a CUDA graph, ``do_bench_cudagraph``'s median (the GPU's time
+  with no launch gaps; L2 is not emptied between runs);
+- ``fwdbwd_ms``: forward with its states saved and the backend's backward
+  (:func:`~lightning_edu.triton_kernels.ops.backward_impl`), ``do_bench``'s median.
+
+``rel_diff``: the largest difference between the two orders' outputs (forward; and dq, dk, dv), relative to the
+largest output, so the reader sees that only rounding moved. ``floor_frac``: the 4-tensor (forward) or 7-tensor
+(forward + backward) HBM floor at the measured copy bandwidth over the time. One JSON record with the machine,
+versions and commit.
+
+Why the order can matter: the main pass reads each segment from its start. Summed from its end, the pre-pass
+reads each segment's first rows last, and some of them are still in L2 when the main pass asks for them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+from .bench import hbm_floor_bytes, head_decays
+from .environment import gpu_record, save_record
+
+__all__ = ["SHAPES", "ROUNDS", "main"]
+
+SHAPES = tuple((d, t) for d in (128, 64) for t in (8192, 32768, 131072))
+ROUNDS = 5
+HEADS = 16
+
+
+def _rel_diff(a, b) -> float:
+    return max(float((x.float() - y.float()).abs().max() / y.float().abs().max()) for x, y in zip(a, b))
+
+
+def main(argv=None) -> int:
+    import numpy as np
+    import torch
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from ..triton_kernels import la2_fast, ops
+
+    argv = sys.argv[1:] if argv is None else argv
+    record = gpu_record(argv, __doc__, "prepass", heads=HEADS, dtype="bfloat16", rounds=ROUNDS,
+                        timer="triton.testing.do_bench (L2 emptied before each run) and do_bench_cudagraph, medians",
+                        results=[])
+    if isinstance(record, int):
+        return record
+    bw = record["copy_bandwidth_bytes_per_s"]
+    log2_decay = torch.tensor(np.log2(head_decays(HEADS)), dtype=torch.float32, device="cuda")
+    for d, t in SHAPES:
+        batch = max(1, 32768 // t)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(batch, HEADS, t, d, device="cuda", generator=gen).bfloat16() / 4 for _ in range(4))
+
+        def fwd():
+            return ops.forward_impl(q, k, v, log2_decay, None, None, False)[0]
+
+        def fwdbwd():
+            o, _, incoming = ops.forward_impl(q, k, v, log2_decay, None, None, True)
+            return (o, *ops.backward_impl(q, k, v, do, log2_decay, None, None, incoming, None, False)[:3])
+
+        times = {order: {"fwd_ms": [], "fwd_graph_ms": [], "fwdbwd_ms": []} for order in (False, True)}
+        outs = {}
+        for _ in range(ROUNDS):
+            for order in (False, True):
+                la2_fast.PREPASS_TAIL_FIRST = order
+                ops._FORWARD_PLANS.clear()
+                ops._BACKWARD_PLANS.clear()
+                outs[order] = (fwd(), *fwdbwd()[1:])
+                times[order]["fwd_ms"].append(do_bench(fwd, return_mode="median"))
+                times[order]["fwd_graph_ms"].append(do_bench_cudagraph(fwd, return_mode="median"))
+                times[order]["fwdbwd_ms"].append(do_bench(fwdbwd, return_mode="median"))
+        la2_fast.PREPASS_TAIL_FIRST = True
+        ops._FORWARD_PLANS.clear()
+        ops._BACKWARD_PLANS.clear()
+        fwd_floor = hbm_floor_bytes(batch, t, HEADS, d) / bw * 1e3
+        fb_floor = (hbm_floor_bytes(batch, t, HEADS, d) + hbm_floor_bytes(batch, t, HEADS, d, backward=True)) / bw * 1e3
+        row = {"D": d, "T": t, "batch": batch, "segments": ops.launch_plan(q, v, None, False)[2],
+               "rel_diff": _rel_diff(outs[True], outs[False])}
+        for order, name in ((False, "start_first"), (True, "tail_first")):
+            med = {key: statistics.median(xs) for key, xs in times[order].items()}
+            row[name] = {**{key: round(x, 5) for key, x in med.items()},
+                         **{f"{key}_rounds": [round(x, 5) for x in xs] for key, xs in times[order].items()},
+                         "fwd_floor_frac": fwd_floor / med["fwd_ms"],
+                         "fwd_graph_floor_frac": fwd_floor / med["fwd_graph_ms"],
+                         "fwdbwd_floor_frac": fb_floor / med["fwdbwd_ms"]}
+        print(f"d={d} T={t}: fwd {row['start_first']['fwd_ms']:.4f} -> {row['tail_first']['fwd_ms']:.4f} ms "
+              f"(graph {row['start_first']['fwd_graph_ms']:.4f} -> {row['tail_first']['fwd_graph_ms']:.4f}), "
+              f"f+b {row['start_first']['fwdbwd_ms']:.4f} -> {row['tail_first']['fwdbwd_ms']:.4f}; "
+              f"floor {row['start_first']['fwd_floor_frac']:.3f} -> {row['tail_first']['fwd_floor_frac']:.3f}; "
+              f"rel diff {row['rel_diff']:.1e}", flush=True)
+        record["results"].append(row)
+        save_record(argv[0], record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
