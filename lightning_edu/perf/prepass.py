@@ -57,6 +57,7 @@ def main(argv=None) -> int:
         return record
     bw = record["copy_bandwidth_bytes_per_s"]
     log2_decay = torch.tensor(np.log2(head_decays(HEADS)), dtype=torch.float32, device="cuda")
+    default = la2_fast.PREPASS_TAIL_FIRST
     for d, t in SHAPES:
         batch = max(1, 32768 // t)
         gen = torch.Generator(device="cuda").manual_seed(0)
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
                 times[order]["fwd_ms"].append(do_bench(fwd, return_mode="median"))
                 times[order]["fwd_graph_ms"].append(do_bench_cudagraph(fwd, return_mode="median"))
                 times[order]["fwdbwd_ms"].append(do_bench(fwdbwd, return_mode="median"))
-        la2_fast.PREPASS_TAIL_FIRST = True
+        la2_fast.PREPASS_TAIL_FIRST = default
         ops._FORWARD_PLANS.clear()
         ops._BACKWARD_PLANS.clear()
         fwd_floor = hbm_floor_bytes(batch, t, HEADS, d) / bw * 1e3

@@ -535,10 +535,15 @@ def whole_dv_plan(q, block: int) -> tuple[dict, int, int]:
     return dict(WHOLE_DV), num_seg, seg_len
 
 
-PREPASS_TAIL_FIRST = True
-"""Whether the segment pre-pass sums each segment from its end back to its start (``_local_state``'s TAIL_FIRST).
-The main pass then reads each segment from its start, so the rows the pre-pass read last are the rows the main
-pass reads first, and some of them are still in L2."""
+PREPASS_TAIL_FIRST = False
+"""Whether the segment pre-pass sums each segment from its end back to its start (``_local_state``'s TAIL_FIRST;
+bfloat16 and float32 keys only). The main pass reads each segment from its start, so summed from its end the rows
+the pre-pass read last are the rows the main pass reads first, and some of them are still in L2. Off: it paid too
+little, and not everywhere. Measured on an H100 (``python -m lightning_edu.perf.prepass``,
+notebooks/data/prepass_h100.json: bf16, 16 heads, 32K tokens per call, medians of 5 interleaved rounds, end first
+against start first): the forward alone at d = 64 took 0.1550 against 0.1582 ms at 32K (the GPU's time by CUDA graph
+0.1424 against 0.1477) and 0.5522 against 0.5541 ms at 128K; at d = 128 0.3121 against 0.3126 ms at 32K, a tie at
+128K; but the forward + backward at d = 128, 128K took 4.84 against 4.76 ms, slower in 4 of 5 rounds (chapter 07)."""
 
 
 def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: int) -> tuple[int, int, int]:
@@ -801,8 +806,8 @@ def segment_states(k, v, log2_decay, seg, seg_len, block, block_dv, num_warps, n
         launch(_segment_state_kernel, (batch * heads, num_seg - 1, cdiv(d_v, block_dv)))(
             k, v, seg, log2_decay, n, heads, seg_len, *_strides(k, v), D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k),
             BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=dot_precision(k),
-            CONTIGUOUS=k.is_contiguous() and v.is_contiguous(), TAIL_FIRST=PREPASS_TAIL_FIRST and k.dtype != torch.float16, num_warps=num_warps,
-            num_stages=num_stages,
+            CONTIGUOUS=k.is_contiguous() and v.is_contiguous(), TAIL_FIRST=PREPASS_TAIL_FIRST and k.dtype != torch.float16,
+            num_warps=num_warps, num_stages=num_stages,
         )
 
 
