@@ -543,7 +543,7 @@ little, and not everywhere. Measured on an H100 (``python -m lightning_edu.perf.
 notebooks/data/prepass_h100.json: bf16, 16 heads, 32K tokens per call, medians of 5 interleaved rounds, end first
 against start first): the forward alone at d = 64 took 0.1550 against 0.1582 ms at 32K (the GPU's time by CUDA graph
 0.1424 against 0.1477) and 0.5522 against 0.5541 ms at 128K; at d = 128 0.3121 against 0.3126 ms at 32K, a tie at
-128K; but the forward + backward at d = 128, 128K took 4.84 against 4.76 ms, slower in 4 of 5 rounds (chapter 07)."""
+128K; but the forward + backward at d = 128, 128K took 4.84 against 4.76 ms, slower in each of the 5 rounds (chapter 07)."""
 
 
 def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: int) -> tuple[int, int, int]:
