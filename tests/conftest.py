@@ -1,6 +1,13 @@
 import contextlib
 import os
 
+# Under pytest-xdist (the GPU suite runs one worker per core) each worker computes on one thread: BLAS and torch
+# would otherwise start a thread per core in every worker, and their spinning threads slow the workers that are
+# compiling kernels. Set before numpy or torch is imported; a value already in the environment is kept.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
 # Triton decides at decoration time whether a kernel runs in its CPU interpreter: set this before any
 # lightning_edu.triton_kernels import. (lightning_edu/__init__ does the same when CUDA is absent.)
 try:
@@ -11,6 +18,8 @@ except ImportError:  # pragma: no cover
     _has_cuda = False
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import pytest
 from hypothesis import settings
