@@ -2,8 +2,9 @@ import contextlib
 import os
 
 # Under pytest-xdist (the GPU suite runs one worker per core) each worker computes on one thread: BLAS and torch
-# would otherwise start a thread per core in every worker, and their spinning threads slow the workers that are
-# compiling kernels. Set before numpy or torch is imported; a value already in the environment is kept.
+# would otherwise start a thread per core in every worker, competing with the workers that compile kernels (on an
+# H100 host with 16 cores the GPU suite took 2 min 43-48 s this way, 2 min 52 s with 16 threads per worker;
+# notebooks/data/gpu_tests_h100.json). Set before numpy or torch is imported; a value already set is kept.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
@@ -18,8 +19,8 @@ except ImportError:  # pragma: no cover
     _has_cuda = False
 if not _has_cuda:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ["OMP_NUM_THREADS"].isdigit():
+    torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 import pytest
 from hypothesis import settings
