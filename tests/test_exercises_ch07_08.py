@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from lightning_edu.exercises import ExerciseError
-from lightning_edu.exercises.ch07 import check_decay_tile, check_inter_block_kernel, check_one_pass_balance, check_value_slice
+from lightning_edu.exercises.ch07 import (check_decay_tile, check_inter_block_kernel, check_local_state_from_the_end,
+                                         check_one_pass_balance, check_value_slice)
 from lightning_edu.exercises.ch08 import check_la1_dq_kernel, check_replay, check_reverse_sweep_kernel
 
 
@@ -420,3 +421,78 @@ def test_replay_mistakes(answer, message):
     _KEPT.clear()
     with pytest.raises(ExerciseError, match=message):
         check_replay(answer)
+
+
+# Exercise 7.6, numpy: a segment's local state from its last block back to its first.
+def local_state_from_the_end(load, num_blocks, block, lam, mistake=None):  # the model answer, as in the notebook
+    import numpy as np
+
+    within = lam ** np.arange(block - 1, -1, -1.0)  # row r of a block: lambda ** (block - 1 - r)
+    if mistake == "rows reversed":
+        within = lam ** np.arange(block, dtype=float)
+    if mistake == "blocks only":
+        within = np.ones(block)
+    order = range(num_blocks)
+    if mistake == "start first":
+        order = range(num_blocks - 1, -1, -1)  # i counts from the end, so block num_blocks - 1 - i goes 0, 1, ...
+    if mistake == "skips block 0":
+        order = range(num_blocks - 1)
+    state = 0.0
+    for i in order:
+        b = num_blocks - 1 - i
+        k, v = load(b)
+        if mistake == "twice":
+            k, v = load(b)
+        if mistake == "negative powers":  # weights relative to the segment's start, then scaled back: overflows
+            p = b * block + np.arange(block)
+            state = state + (k * (lam ** -p.astype(float))[:, None]).T @ v
+            continue
+        power = (i + 1) * block if mistake == "a block too many" else i * block
+        if mistake == "oldest first":
+            weights = lam ** (b * block + np.arange(block, dtype=float))
+        else:
+            weights = within * lam ** power
+        state = state + (k * weights[:, None]).T @ v
+    if mistake == "negative powers":
+        state = state * lam ** (num_blocks * block - 1)
+    if mistake == "transposed":
+        return state.T
+    if mistake == "no return":
+        return None
+    return state
+
+
+def test_local_state_from_the_end_solution_passes(capsys):
+    for seed in (0, None, 12345):
+        check_local_state_from_the_end(local_state_from_the_end, seed=seed)
+    out = capsys.readouterr().out
+    assert out.count("Correct: local_state_from_the_end sums 4 segments from their last block back") == 3
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("start first", r"loaded the blocks from the first to the last for num_blocks = 4, .*walk from the last block"),
+    ("twice", r"loaded block 3 2 times for num_blocks = 4, block = 16, .*load each block once"),
+    ("skips block 0", r"never loaded block 0 .*every block of the segment adds to its state"),
+    ("negative powers", r"overflowed for num_blocks = 24, block = 16, d_k = 16, d_v = 16, lam = 0.001: .*"
+                        r"negative exponent"),
+    ("a block too many", r"wrong for num_blocks = 4, .*lam = 0.9: .*one block too many"),
+    ("blocks only", r"wrong for num_blocks = 4, .*whole blocks but not the rows inside them"),
+    ("rows reversed", r"wrong for num_blocks = 4, .*rows inside each block the wrong way round"),
+    ("oldest first", r"wrong for num_blocks = 4, .*weighted the oldest row by 1"),
+    ("transposed", r"returned shape \(32, 16\) for num_blocks = 4, .*expected \(16, 32\).*transposed"),
+    ("no return", r"returned None -- did you forget `return`"),
+])
+def test_local_state_from_the_end_mistakes(mistake, message):
+    def answer(load, num_blocks, block, lam):
+        return local_state_from_the_end(load, num_blocks, block, lam, mistake)
+
+    with pytest.raises(ExerciseError, match=message):
+        check_local_state_from_the_end(answer)
+
+
+def test_local_state_from_the_end_bad_block_numbers():
+    def float_blocks(load, num_blocks, block, lam):
+        return load(float(num_blocks - 1))
+
+    with pytest.raises(ExerciseError, match=r"load\(3.0\) for num_blocks = 4, .*a block number is an int from 0 to 3"):
+        check_local_state_from_the_end(float_blocks)

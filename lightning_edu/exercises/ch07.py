@@ -10,7 +10,10 @@ random fp32 inputs of odd lengths and compares with the float64 numpy rung:
 * :func:`check_value_slice` -- plain Python, no kernel: how many columns of d_v one program of the backend's
   forward takes for a number of (batch, head) pairs on a GPU, against the backend's own ``kernel_config``;
 * :func:`check_one_pass_balance` -- plain Python: the bytes a one-pass forward saves per segment, against
-  ``perf.costs.one_pass_balance``.
+  ``perf.costs.one_pass_balance``;
+* :func:`check_local_state_from_the_end` -- numpy: a segment's local state summed from its last block back to its
+  first, as the pre-pass can (``la2_fast.PREPASS_TAIL_FIRST``), against the float64 sum, the blocks' load order
+  recorded.
 
 Kernels receive fp32 tensors; tiles are >= 16 (the GPU rejects smaller ``tl.dot`` shapes).
 """
@@ -22,10 +25,11 @@ import numpy as np
 from ..checks import random_qkv
 from ..numpy_blockwise import blockwise_forward
 from ..numpy_reference import decay_mask
-from ._core import (ExerciseError, call_reader, exception_chain, exercise, expect_close, expect_count, expect_shape,
-                    passed, seeded, wrong_rows)
+from ._core import (ExerciseError, call_reader, exception_chain, exercise, expect_array, expect_close, expect_count,
+                    expect_shape, passed, seeded, wrong_rows)
 
-__all__ = ["check_decay_tile", "check_inter_block_kernel", "check_value_slice", "check_one_pass_balance", "tolerance"]
+__all__ = ["check_decay_tile", "check_inter_block_kernel", "check_value_slice", "check_one_pass_balance",
+           "check_local_state_from_the_end", "tolerance"]
 
 
 def _device() -> str:
@@ -258,3 +262,94 @@ def check_one_pass_balance(one_pass_balance, seed: int = 0) -> None:
                             + (f": it looks as if you {slip}" if slip else ""))
     passed(f"one_pass_balance agrees with the byte count in {len(cases)} cases: head dims, segment lengths, and the "
            "hand-offs of the chained scan and of the look-back")
+
+
+def _weighted_state(k, v, row_weights) -> np.ndarray:
+    """sum_p w_p k_p^T v_p in float64."""
+    return (k * row_weights[:, None]).T @ v
+
+
+@exercise("7.6", reveals=("_local_state",))
+def check_local_state_from_the_end(local_state_from_the_end, seed: int = 0) -> None:
+    """``local_state_from_the_end(load, num_blocks, block, lam)`` must return A = sum_p lambda^(L-1-p) k_p^T v_p,
+    (d_k, d_v), for one segment of L = num_blocks * block rows, calling ``load(b)`` (block b's rows of K and V) for
+    b = num_blocks - 1 down to 0, each once, and never overflowing: lambda = 0.001 over 24 blocks is among the
+    inputs, where a power with a negative exponent carried from block to block overflows float64."""
+    cases = [(4, 16, 16, 32, 0.9), (3, 16, 32, 16, 1.0), (24, 16, 16, 16, 0.001), (5, 8, 3, 5, 0.5)]
+    if seed:
+        rng = seeded(seed)
+        cases = [(int(rng.integers(2, 9)), int(rng.choice([4, 8, 16])), int(rng.integers(1, 33)),
+                  int(rng.integers(1, 33)), float(np.round(rng.uniform(0.3, 0.999), 3))) for _ in range(3)]
+        cases.append((int(rng.integers(20, 30)), 16, int(rng.integers(4, 17)), int(rng.integers(4, 17)),
+                      float(np.round(rng.uniform(1e-4, 1e-3), 6))))
+    gen = np.random.default_rng(abs(seed or 0) + 11)
+    for num_blocks, block, d_k, d_v, lam in cases:
+        rows = num_blocks * block
+        k, v = gen.standard_normal((rows, d_k)), gen.standard_normal((rows, d_v))
+        where = f"for num_blocks = {num_blocks}, block = {block}, d_k = {d_k}, d_v = {d_v}, lam = {lam}"
+        order: list = []
+
+        def load(b, k=k, v=v, block=block, num_blocks=num_blocks, order=order):
+            if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)) or not 0 <= b < num_blocks:
+                raise ExerciseError(f"load({b!r}) {where}: a block number is an int from 0 to {num_blocks - 1}")
+            order.append(int(b))
+            return k[b * block:(b + 1) * block].copy(), v[b * block:(b + 1) * block].copy()
+
+        try:
+            with np.errstate(over="raise"):
+                got = call_reader(local_state_from_the_end, "local_state_from_the_end",
+                                  (load, num_blocks, block, lam), where)
+        except ExerciseError as exc:
+            if any(isinstance(e, (FloatingPointError, OverflowError)) for e in exception_chain(exc)):
+                raise ExerciseError(
+                    f"local_state_from_the_end overflowed {where}: it formed a power of lambda with a negative "
+                    f"exponent (lambda ** -{block} = {lam ** -min(block, 64):.0e}, compounded from block to block, "
+                    "leaves float64). Weight block i (counted from the end) by lambda ** (i * block) directly: every "
+                    "weight is at most 1") from exc
+            raise
+        want_order = list(range(num_blocks - 1, -1, -1))
+        if order != want_order:
+            if order == want_order[::-1]:
+                raise ExerciseError(f"local_state_from_the_end loaded the blocks from the first to the last {where}: "
+                                    "walk from the last block (num_blocks - 1) back to block 0, so that the rows "
+                                    "read last are the ones the main pass reads first")
+            twice = [b for b in dict.fromkeys(order) if order.count(b) > 1]  # in the order it loaded them
+            if twice:
+                raise ExerciseError(f"local_state_from_the_end loaded block {twice[0]} {order.count(twice[0])} times "
+                                    f"{where}: load each block once (a kernel that loads a block twice reads it "
+                                    "twice from memory)")
+            missing = sorted(set(want_order) - set(order))
+            if missing:
+                raise ExerciseError(f"local_state_from_the_end never loaded block {missing[0]} {where} (it loaded "
+                                    f"{order}): every block of the segment adds to its state")
+            raise ExerciseError(f"local_state_from_the_end loaded the blocks in the order {order} {where}, expected "
+                                f"{want_order}")
+        p = np.arange(rows)
+        want = _weighted_state(k, v, lam ** (rows - 1 - p))
+        got_arr = expect_array("local_state_from_the_end", got)
+        if got_arr.shape == (d_v, d_k) and d_k != d_v:
+            raise ExerciseError(f"local_state_from_the_end returned shape {got_arr.shape} {where}, expected "
+                                f"{(d_k, d_v)}: A is K^T V, d_k rows by d_v columns (it looks transposed)")
+        r = p % block
+        slips = {  # what a slip gives -> what it is
+            "a block too many": (_weighted_state(k, v, lam ** (rows - 1 - p + block)),
+                                 "weighted every block by one block too many: the last block's weight is "
+                                 "lambda ** 0 = 1, block i from the end lambda ** (i * block)"),
+            "blocks only": (_weighted_state(k, v, lam ** (rows - block - (p - r))),
+                            "weighted whole blocks but not the rows inside them: row r of a block also carries "
+                            "lambda ** (block - 1 - r)"),
+            "rows reversed": (_weighted_state(k, v, lam ** (rows - block - (p - r) + r)),
+                              "weighted the rows inside each block the wrong way round: the block's last row "
+                              "(r = block - 1) has weight lambda ** 0 within its block"),
+            "oldest first": (_weighted_state(k, v, lam ** p.astype(float)),
+                             "weighted the oldest row by 1: the newest row (the segment's last) has weight 1, and "
+                             "each older row one more factor lambda"),
+        }
+        if got_arr.shape == want.shape and np.isfinite(got_arr).all() and not np.allclose(got_arr, want, rtol=1e-9,
+                                                                                          atol=1e-12):
+            for ref, message in slips.values():
+                if np.allclose(got_arr, ref, rtol=1e-9, atol=1e-12):
+                    raise ExerciseError(f"local_state_from_the_end is wrong {where}: it looks as if you {message}")
+        expect_close("local_state_from_the_end", got_arr, want, rtol=1e-9, axis=-2)
+    passed(f"local_state_from_the_end sums {len(cases)} segments from their last block back to the first, each "
+           "block loaded once, as the float64 sum does, with lambda = 1 and lambda near 0 over many blocks")
