@@ -303,12 +303,3 @@ def test_the_prepass_sums_each_segment_in_either_order(device, monkeypatch, reve
     assert not np.array_equal(start, tail)  # the same sum, rounded in another order
     assert np.array_equal(states(torch.float16, False), states(torch.float16, True))
 
-
-def test_prepass_measurement_refuses_bad_command_lines(capsys):
-    from lightning_edu.perf import prepass
-
-    assert prepass.main(["--help"]) == 0
-    assert prepass.main([]) == 2 and prepass.main(["-o"]) == 2
-    assert "python -m lightning_edu.perf.prepass OUT.json" in capsys.readouterr().out
-    if not torch.cuda.is_available():  # a command line it would run, on a machine it cannot measure
-        assert prepass.main(["out.json"]) == 1 and "none is available here" in capsys.readouterr().out

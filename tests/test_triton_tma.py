@@ -1,6 +1,7 @@
 """la2_fast's forward with descriptor loads (:mod:`lightning_edu.triton_kernels.la2_tma`), against float64 and
 against la2_fast's own kernel: the same arithmetic, so the same bits, in the interpreter and on a GPU."""
 
+import importlib
 import numpy as np
 import pytest
 import torch
@@ -79,14 +80,15 @@ def test_tma_measurement_refuses_bad_command_lines(capsys):
     assert "python -m lightning_edu.perf.tma OUT.json" in capsys.readouterr().out
 
 
-def test_segments_measurement_refuses_bad_command_lines(capsys):
-    from lightning_edu.perf import segments
+@pytest.mark.parametrize("name", ["segments", "prepass"])
+def test_segment_measurements_refuse_bad_command_lines(capsys, name):
+    module = importlib.import_module(f"lightning_edu.perf.{name}")
 
-    assert segments.main(["--help"]) == 0
-    assert segments.main([]) == 2 and segments.main(["-o"]) == 2
-    assert "python -m lightning_edu.perf.segments OUT.json" in capsys.readouterr().out
+    assert module.main(["--help"]) == 0
+    assert module.main([]) == 2 and module.main(["-o"]) == 2
+    assert f"python -m lightning_edu.perf.{name} OUT.json" in capsys.readouterr().out
     if not torch.cuda.is_available():  # a command line it would run, on a machine it cannot measure
-        assert segments.main(["out.json"]) == 1 and "none is available here" in capsys.readouterr().out
+        assert module.main(["out.json"]) == 1 and "none is available here" in capsys.readouterr().out
 
 
 @cases("shape,tiles,dtype,segments", {
