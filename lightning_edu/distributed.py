@@ -459,6 +459,9 @@ def _rank_main(rank: int, fn: Callable, world: int, folder: str, timeout: float,
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout))
     try:
+        # Every rank has joined before any runs fn: a rank that fails at once cannot leave another still
+        # connecting, whose "connection closed by peer" would then be the failure reported in its place.
+        dist.barrier()
         result = fn(rank, *args)
         torch.save(_detached(result), os.path.join(folder, f"result{rank}.pt"))
     finally:
