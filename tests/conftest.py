@@ -72,6 +72,5 @@ def _fresh_launch_plans():
 
     ops = sys.modules.get("lightning_edu.triton_kernels.ops")
     if ops is not None:
-        ops._FORWARD_PLANS.clear()
-        ops._BACKWARD_PLANS.clear()
+        ops.forget_plans()
     yield

@@ -21,6 +21,7 @@ from kernel_cases import to_numpy64 as _np
 import lightning_edu as le
 from lightning_edu.checks import relative_error
 from lightning_edu.numpy_blockwise import blockwise_backward, blockwise_forward
+from lightning_edu.numpy_reference import causal_linear_recurrent
 from lightning_edu.triton_kernels import VARIANTS, log2_decay_tensor
 
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -288,14 +289,14 @@ def test_the_prepass_sums_each_segment_in_either_order(device, monkeypatch, reve
         la2_fast.segment_states(k.to(dtype), v.to(dtype), log2_decay, seg, seg_len, block, 32, 4, 2, reverse)
         return seg[:, : num_seg - 1].double().numpy()  # the last segment's state is never needed, nor written
 
-    k64, v64 = _np(k)[0], _np(v)[0]
+    k64, v64 = _np(k), _np(v)
     if reverse:
-        k64, v64 = k64[:, ::-1], v64[:, ::-1]
+        k64, v64 = k64[:, :, ::-1], v64[:, :, ::-1]
     want = np.zeros((heads, num_seg - 1, d_k, d_v))
-    for j in range(num_seg - 1):
-        p = np.arange(j * seg_len, (j + 1) * seg_len)
-        w = lam[:, None] ** ((j + 1) * seg_len - 1 - p)[None, :]  # (heads, rows)
-        want[:, j] = np.einsum("hp,hpk,hpv->hkv", w, k64[:, p], v64[:, p])
+    for j in range(num_seg - 1):  # segment j's state: the float64 recurrence over its rows, from zero
+        rows = slice(j * seg_len, (j + 1) * seg_len)
+        _, state = causal_linear_recurrent(k64[:, :, rows], k64[:, :, rows], v64[:, :, rows], lam, return_state=True)
+        want[:, j] = state[0]
     start, tail = states(torch.float32, False), states(torch.float32, True)
     for name, got in (("start first", start), ("tail first", tail)):
         err = relative_error(got, want)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..checks import random_qkv
 from ..numpy_blockwise import blockwise_forward
-from ..numpy_reference import decay_mask
+from ..numpy_reference import causal_linear_recurrent, decay_mask
 from ._core import (ExerciseError, call_reader, exception_chain, exercise, expect_array, expect_close, expect_count,
                     expect_shape, passed, seeded, wrong_rows)
 
@@ -265,7 +265,7 @@ def check_one_pass_balance(one_pass_balance, seed: int = 0) -> None:
 
 
 def _weighted_state(k, v, row_weights) -> np.ndarray:
-    """sum_p w_p k_p^T v_p in float64."""
+    """sum_p w_p k_p^T v_p in float64: what a slip's weights give."""
     return (k * row_weights[:, None]).T @ v
 
 
@@ -325,7 +325,10 @@ def check_local_state_from_the_end(local_state_from_the_end, seed: int = 0) -> N
             raise ExerciseError(f"local_state_from_the_end loaded the blocks in the order {order} {where}, expected "
                                 f"{want_order}")
         p = np.arange(rows)
-        want = _weighted_state(k, v, lam ** (rows - 1 - p))
+        # the ground truth: the recurrence KV_t = lambda KV_{t-1} + k_t^T v_t over the segment, from zero
+        _, want = causal_linear_recurrent(np.zeros((1, 1, rows, d_k)), k[None, None], v[None, None], lam,
+                                          return_state=True)
+        want = want[0, 0]
         got_arr = expect_array("local_state_from_the_end", got)
         if got_arr.shape == (d_v, d_k) and d_k != d_v:
             raise ExerciseError(f"local_state_from_the_end returned shape {got_arr.shape} {where}, expected "

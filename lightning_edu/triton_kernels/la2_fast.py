@@ -105,20 +105,24 @@ def _local_state(K, V, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_
     k_scale = tl.exp2(log2_lam * (BLOCK - 1 - offs_r).to(tl.float32))
     if TAIL_FIRST:
         for i in range(0, (end - start) // BLOCK):
-            rows = _row_offsets(end - BLOCK * (i + 1) + offs_r, n, REVERSE)
-            k = tl.load(K + rows[:, None] * skn + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-            v = tl.load(V + rows[:, None] * svn + offs_v[None, :], mask=v_ok[None, :], other=0.0)
-            weight = tl.exp2(log2_lam * (i * BLOCK))
-            ks = (k.to(tl.float32) * (k_scale * weight)[:, None]).to(k.dtype)
+            ks, v = _scaled_block(K, V, end - BLOCK * (i + 1), n, k_scale * tl.exp2(log2_lam * (i * BLOCK)), offs_r,
+                                  offs_k, offs_v, k_ok, v_ok, skn, svn, REVERSE)
             kv = tl.dot(tl.trans(ks), v, acc=kv, input_precision=PRECISION)
     else:
         for blk in range(start, end, BLOCK):
-            rows = _row_offsets(blk + offs_r, n, REVERSE)
-            k = tl.load(K + rows[:, None] * skn + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-            v = tl.load(V + rows[:, None] * svn + offs_v[None, :], mask=v_ok[None, :], other=0.0)
-            ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
+            ks, v = _scaled_block(K, V, blk, n, k_scale, offs_r, offs_k, offs_v, k_ok, v_ok, skn, svn, REVERSE)
             kv = kv * block_decay + tl.dot(tl.trans(ks), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
     return kv
+
+
+@triton.jit
+def _scaled_block(K, V, blk, n, row_scale, offs_r, offs_k, offs_v, k_ok, v_ok, skn: tl.constexpr, svn: tl.constexpr,
+                  REVERSE: tl.constexpr):
+    """(k rows scaled by ``row_scale``, in k's dtype; v rows) of the block at processing position ``blk``."""
+    rows = _row_offsets(blk + offs_r, n, REVERSE)
+    k = tl.load(K + rows[:, None] * skn + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+    v = tl.load(V + rows[:, None] * svn + offs_v[None, :], mask=v_ok[None, :], other=0.0)
+    return (k.to(tl.float32) * row_scale[:, None]).to(k.dtype), v
 
 
 @triton.jit

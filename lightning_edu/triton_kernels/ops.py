@@ -61,7 +61,7 @@ from .la2_fast import (
 )
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
-           "compute_dtype", "COMPILE_AHEAD", "ahead_key"]
+           "compute_dtype", "COMPILE_AHEAD", "ahead_key", "forget_plans"]
 
 COMPILE_AHEAD = True
 """Whether the first call of a configuration on a GPU compiles its kernels side by side first (:func:`_first_call`).
@@ -127,6 +127,14 @@ REPLAY = True
 _FORWARD_PLANS: dict = {}   # replay key -> LaunchPlan of forward_impl's launchers, or None (not replayable)
 _BACKWARD_PLANS: dict = {}  # replay key -> LaunchPlan of backward_impl's launchers, or None
 _UNSEEN = object()
+
+
+def forget_plans() -> None:
+    """Drop every recorded launch plan: the next call of each key runs the launchers' host code again (and records
+    anew). For whoever changes what that host code decides, a setting such as ``la2_fast.PREPASS_TAIL_FIRST``, or
+    watches it run (the tests)."""
+    _FORWARD_PLANS.clear()
+    _BACKWARD_PLANS.clear()
 
 
 def _replay_key(tensors: tuple, log2_decay: Tensor, *options) -> tuple | None:
