@@ -147,7 +147,8 @@ def test_a_first_call_compiles_every_kernel_ahead(dtype, d, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     row = json.loads(run.stdout.strip().splitlines()[-1])
-    assert row["compiled"] >= 6 and row["at_launch"] == 0, row
+    # at least the forward's pre-pass and main kernel, the dQ pass, the dK/dV passes and a reverse pre-pass
+    assert row["compiled"] >= 5 and row["at_launch"] == 0, row
 
 
 def test_the_fast_launch_key_separates_what_triton_specialises_on():

@@ -136,10 +136,11 @@ def run_triton_backend(q, k, v, do, s0, dsn, decay, block):
     return _torch_autograd(forward, q, k, v, do, s0, dsn, torch.float32, DEVICE)
 
 
-def _variant_runner(name, **options):
+def _variant_runner(name, dtype=torch.float32, **options):
     def run(q, k, v, do, s0, dsn, decay, block):
         forward, backward = VARIANTS[name]
-        t = [torch.tensor(x, dtype=torch.float32, device=DEVICE) for x in (q, k, v, do, s0, dsn)]
+        t = [torch.tensor(x, dtype=dtype, device=DEVICE) for x in (q, k, v, do)]
+        t += [torch.tensor(x, dtype=torch.float32, device=DEVICE) for x in (s0, dsn)]  # states are float32
         l2 = log2_decay_tensor(decay, DEVICE)
         fwd_options = {key: val for key, val in options.items() if key == "seg_len"}
         o, sn = forward(*t[:3], l2, t[4], block=16, **fwd_options)
@@ -174,6 +175,9 @@ KERNELS = {
     "la2_fast": _variant_runner("la2_fast", seg_len=16),  # several segments: the Horner start is exercised
     "la2_fast fused dK/dV": _variant_runner("la2_fast", seg_len=32, fused_dkdv=True),
     "la3": _variant_runner("la3", seg_len=32, chunk=32, micro=16),  # two micro-chunks per chunk, several segments
+    # 16-bit tiles: the flagged programs are redone in the fast kernel itself (_tiles.redo_in_place)
+    "la2_fast fp16": _variant_runner("la2_fast", torch.float16, seg_len=16),
+    "la3 fp16": _variant_runner("la3", torch.float16, seg_len=32, chunk=32, micro=16),
     "one pass, look-back": _one_pass_runner(True),  # forward only
     "one pass, chained": _one_pass_runner(False),
 }
@@ -219,7 +223,7 @@ def test_nonfinite_reaches_exactly_its_dependents(name, problem):
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
-@settings(max_examples=12)  # the CPU interpreter runs each kernel slowly; 12 examples x 8 variants
+@settings(max_examples=12)  # the CPU interpreter runs each kernel slowly; 12 examples x 10 variants
 @given(problem=poisoned_problems())
 def test_nonfinite_reaches_exactly_its_dependents_in_kernels(name, problem):
     _check(KERNELS[name], problem)
@@ -236,3 +240,31 @@ def test_issue_example_later_nan_leaves_earlier_rows_alone():
         t = [torch.tensor(x, dtype=torch.float32, device=DEVICE if backend == "triton" else "cpu") for x in (q, k, q)]
         o = lightning_attention(*t, backend=backend, block_size=16)
         assert np.array_equal(torch.isfinite(o).all(-1)[0, 0].cpu().numpy(), want), backend
+
+
+@pytest.mark.parametrize("dtype, d, in_place", [
+    (torch.float16, 32, True),    # 16-bit tiles, a state of at most 64 x 64: the fast kernels redo in place
+    (torch.float32, 32, False),   # float32 tiles: the exact pass is a launch of its own
+    (torch.float16, 96, False),   # a 96 (padded 128) x 64 state: too large to redo in place
+])
+def test_the_exact_pass_runs_in_place_only_where_redo_in_place_says(dtype, d, in_place, monkeypatch):
+    from lightning_edu.triton_kernels import _tiles, la2_fast, la3, ops
+
+    seen = []  # (kernel, SAFE, REDO) of every launch of one forward + backward through the backend
+    for module in (la2_fast, la3):
+        def spy(kernel, grid, real=module.launch):
+            run = real(kernel, grid)
+            return lambda *args, **meta: (seen.append((getattr(kernel, "fn", kernel).__name__, meta.get("SAFE", False),
+                                                       meta.get("REDO", False))), run(*args, **meta))[1]
+        monkeypatch.setattr(module, "launch", spy)
+    ops.forget_plans()  # no replay: every launcher runs
+    q, k, v = (torch.randn(1, 2, 40, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
+    lightning_attention(q, k, v, [0.9, 0.5], backend="triton", block_size=16).sum().backward()
+    assert _tiles.redo_in_place(dtype, d, min(d, 64)) == in_place
+    fast = [(name, redo) for name, safe, redo in seen if not safe and "segment_state" not in name]
+    exact = [name for name, safe, _ in seen if safe]
+    assert len(fast) >= 3, seen  # the forward, the dQ pass and the dK/dV pass(es)
+    if in_place:
+        assert not exact and all(redo for _, redo in fast), seen
+    else:
+        assert len(exact) == len(fast) and not any(redo for _, redo in fast), seen

@@ -12,10 +12,11 @@ product and records, per column, the first (causal tile) or last (anti-causal ti
 state, as the algebra says it must.
 
 Two passes, so that finite inputs pay (almost) nothing. The exact tiles cost shared-memory round trips and
-layout changes on every tile, and even compiled into the same kernel behind a branch that never runs they
-raise its register count for the whole kernel: measured on an H100 (bf16, H = 16, 32K tokens), exact tiles in
-every sweep made LA-1 about 3x and la2_fast up to 2.2x slower, an in-kernel exact re-sweep still 1.2-1.9x.
-So every kernel is compiled twice (the constexpr SAFE) and launched twice:
+layout changes on every tile, and compiled into the same kernel behind a branch that never runs they may
+raise its register count for the whole kernel: measured on an H100 (bf16, H = 16, 32K tokens) on the first
+kernels of this package, exact tiles in every sweep made LA-1 about 3x and la2_fast up to 2.2x slower, an
+in-kernel exact re-sweep still 1.2-1.9x. So each kernel is compiled with the constexpr SAFE off (the fast pass)
+and on (the exact pass), and by default launched twice:
 
 * The fast pass (SAFE=False, the usual grid) is the plain kernel (masks that multiply, raw
   operands), plus one flag per program: whether its carried state (LA-2) or its output tile (LA-1) ended
@@ -32,6 +33,13 @@ So every kernel is compiled twice (the constexpr SAFE) and launched twice:
 
 A flag can also be raised by a non-finite value the fast pass handled exactly (a q, an initial state, an
 fp16 overflow): that only costs the exact pass's time, never a wrong result.
+
+In place, where it costs nothing. The backend's kernels with 16-bit tiles and a state of at most 64 x 64
+(:func:`redo_in_place`) hold both passes in one program: the fast sweep, its flag, then (:func:`flagged_here`)
+the exact sweep of the same program when its flag is set. On an H100 their GPU time did not move, while a short
+forward + backward, bound by the host, launched three kernels fewer and took 6-14 % less (chapter 07). The
+exact pass of the other kernels (la1, la2_literal, float32 tiles, larger states, la2_tma's descriptor kernel)
+stays a launch of its own.
 
 How the kernels are written (every kernel of this package, so that one reads like the next):
 
@@ -81,12 +89,38 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 __all__ = [
     "launch", "FAST_LAUNCH", "launch_key", "LaunchPlan", "record_plan", "aligned", "dense", "compile_ahead", "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
     "head_start", "head_offset", "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
-    "clear_flag", "flag_nonfinite",
+    "clear_flag", "flag_nonfinite", "flagged_here", "EXACT_IN_PLACE",
+    "REDO_STATE", "redo_in_place",
 ]
 
 
 _AHEAD = contextvars.ContextVar("lightning_edu_compile_ahead", default=False)
 
+
+EXACT_IN_PLACE = True
+"""Whether the backend's pointer kernels (la2_fast's passes, la3's dK/dV) may redo a flagged program in the same
+program, right after its fast sweep (:func:`flagged_here`), instead of in an exact pass launched after them
+(:func:`redo_in_place` says where they do). Set it to False for the two launches of the module docstring."""
+
+REDO_STATE = 64 * 64
+"""The largest state tile (d_k x the d_v columns of one program) of a kernel that redoes in place."""
+
+
+def redo_in_place(dtype, state_rows: int, state_cols: int) -> bool:
+    """Whether a kernel whose program carries a ``state_rows`` x ``state_cols`` float32 state, on tiles of
+    ``dtype``, redoes its flagged programs in place (:data:`EXACT_IN_PLACE`): 16-bit tiles and a state of at most
+    :data:`REDO_STATE` entries (d <= 64), where a call is short and its launches cost the host more than the GPU
+    its time. Measured on an H100 (bf16, 16 heads, 32K tokens per call, ``python -m lightning_edu.perf.redo``,
+    chapter 07): at d = 64 the kernels' GPU time did not move, and a forward + backward through autograd took
+    6-14 % less from T = 2K to 32K, with 5 launches instead of 8. A first call (bf16 or fp16, d = 64, a fresh
+    process) compiled 5 kernels instead of 8, 7.8-10.0 s of compiling in all against 13.9-14.9 s, and returned
+    in 4.1-4.6 s against 3.6-4.1 s (compiled side by side, where one larger kernel is the longer wait). At d = 128, in place on every state, the backward's
+    reversed passes ran 1-2 % faster on 64-column slices and 6 % slower on a 128 x 128 state (d_v whole, T = 2K):
+    there a call is long, and the launches it saves are worth little. float32 tiles, the spilling kind, keep
+    two launches."""
+    import torch
+
+    return EXACT_IN_PLACE and dtype in (torch.float16, torch.bfloat16) and state_rows * state_cols <= REDO_STATE
 
 FAST_LAUNCH = True
 """Whether :func:`launch` on a GPU launches a kernel it has launched before with the same specialisation
@@ -643,6 +677,15 @@ def clear_flag(flag):
     """Fast pass, first thing in a program: its flag := 0 (the barrier orders this store before any later one)."""
     tl.store(flag, 0)
     tl.debug_barrier()
+
+
+@triton.jit
+def flagged_here(flag):
+    """In a fast pass that redoes its own flagged program (:data:`EXACT_IN_PLACE`), after :func:`flag_nonfinite`:
+    whether this program's flag is set. The barrier makes every thread's flag store visible to every thread, so
+    the whole program takes the same branch; no reduction over the tile (see :func:`flag_nonfinite`)."""
+    tl.debug_barrier()
+    return tl.load(flag) != 0
 
 
 @triton.jit

@@ -25,7 +25,8 @@ Four ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
 
 Non-finite inputs stay causal (a NaN or inf reaches exactly the outputs that depend on it), in the forward,
 in the three backward passes and in the fused dK/dV kernel: each kernel is a fast pass, which flags the
-programs whose state ended non-finite, and an exact pass that redoes only those (``_tiles``). The segment
+programs whose state ended non-finite, and an exact pass that redoes only those (``_tiles``), in a launch of
+its own or, for 16-bit tiles at d <= 64, in the same program (``_tiles.redo_in_place``). The segment
 states are dense sums, exact as they are. bfloat16 is refused in the CPU interpreter, which computes it wrongly.
 """
 
@@ -34,9 +35,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import _tiles
 from ._tiles import (
     aligned, apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    dense, flagged_range, head_offset, head_start, interpreted, launch, pad_dim, poison, refuse_interpreted_bf16,
+    dense, flagged_here, flagged_range, head_offset, head_start, interpreted, launch, pad_dim, poison, refuse_interpreted_bf16,
     sm_count,
 )
 
@@ -230,6 +232,7 @@ def _la2_fast_forward_kernel(
     BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr,
     SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr, PRECISION: tl.constexpr,
     SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16, CONTIGUOUS: tl.constexpr = False, SEG_T: tl.constexpr = False,
+    REDO: tl.constexpr = False,
 ):
     """Algorithm 1 over one segment. Grid (batch*heads, num_segments, cdiv(d_v, BLOCK_DV)).
 
@@ -244,7 +247,9 @@ def _la2_fast_forward_kernel(
     that the backward's dQ pass can start every segment without a pre-pass over K and V. SEG_T: SEG holds
     states saved by another pass, transposed (the dQ pass reads the forward's, the dK pass the dV pass's).
     Two passes (_tiles): the fast one flags programs whose final state is non-finite; the exact one (SAFE,
-    grid from _tiles.exact_pass_grid, STORE_SN and STORE_INC off) redoes them with exact tiles.
+    grid from _tiles.exact_pass_grid, STORE_SN and STORE_INC off) redoes them with exact tiles. With REDO the
+    fast program redoes itself, STORE_SN and STORE_INC off, when flagged (_tiles.flagged_here), and no exact
+    pass is launched.
     """
     slices: tl.constexpr = (D_V + BLOCK_DV - 1) // BLOCK_DV
     num_seg = tl.cdiv(n, seg_len)
@@ -268,6 +273,12 @@ def _la2_fast_forward_kernel(
                               BLOCK_DV, BLOCK, REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC,
                               PRECISION, False, CONTIGUOUS, SEG_T)
         flag_nonfinite(flag, kv)  # a non-finite K or V entry always leaves the state non-finite (0 * NaN = NaN)
+        if REDO:  # the exact pass of this program, here (_tiles.EXACT_IN_PLACE); its states stand
+            if flagged_here(flag):
+                _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
+                                 sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K,
+                                 BLOCK_DV, BLOCK, REVERSE, HAS_S0, False, SEG_IS_INCOMING, False,
+                                 PRECISION, True, CONTIGUOUS, SEG_T)
 
 
 @triton.jit
@@ -634,12 +645,16 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     meta.update(HAS_S0=initial_state is not None, SEG_IS_INCOMING=incoming is not None, num_warps=num_warps,
                 num_stages=num_stages, CONTIGUOUS=all(x.is_contiguous() for x in (q, k, v, o)),
                 SEG_T=seg_t and (incoming is not None or local_states is not None))
-    # The fast pass flags programs whose state ended non-finite; the exact pass redoes only those (_tiles).
+    # The fast pass flags programs whose state ended non-finite; the exact pass redoes only those (_tiles), in
+    # the same program (REDO) or in a launch of its own.
+    redo = fast_pass is None and _tiles.redo_in_place(q.dtype, pad_k, block_dv)
     if fast_pass is None:
-        launch(_la2_fast_forward_kernel, grid)(*args, **meta, STORE_SN=final_state, STORE_INC=store_incoming)
+        launch(_la2_fast_forward_kernel, grid)(*args, **meta, STORE_SN=final_state, STORE_INC=store_incoming,
+                                               REDO=redo)
     else:
         fast_pass(grid, args, {**meta, "STORE_SN": final_state, "STORE_INC": store_incoming})
-    exact_pass(args, meta, programs, q.device)
+    if not redo:
+        exact_pass(args, meta, programs, q.device)
     aux = {"seg_len": seg_len, "local": None if incoming is not None else seg, "incoming": inc if store_incoming else None}
     return o, sn, aux
 

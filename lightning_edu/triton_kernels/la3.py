@@ -24,7 +24,8 @@ starts every segment from the state the forward saved. The forward is la2_fast's
 
 Non-finite values stay causal, with the two-pass scheme of ``_tiles``: the fast pass flags the programs whose
 state ended non-finite, the exact pass redoes them with selecting masks on the diagonal tiles (off-diagonal
-tiles have no dropped entries, so their plain products are already exact).
+tiles have no dropped entries, so their plain products are already exact). With 16-bit tiles (the backend's)
+the exact pass runs in the fast kernel's own program (``_tiles.redo_in_place``), float32 in a launch of its own.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ import triton
 import triton.language as tl
 
 from ..validation import validate_head_dims
+from . import _tiles
 from ._tiles import (
     apply_decay, cdiv, clear_flag, decay_tile, dense, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
+    flagged_here, flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
 )
 from .la2_fast import (
     _incoming_state, backend_tiles, choose_segments, dq_pass, finish_backward, in_layout_of, segment_states,
@@ -172,12 +174,13 @@ def _la3_dkdv_kernel(
     Q, K, V, DO, DK, DV, XN, SEG, FLAG, LOG2_DECAY, n, H, seg_len, n_programs,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, PAD_V: tl.constexpr,
     CHUNK: tl.constexpr, MICRO: tl.constexpr, STORE_XN: tl.constexpr, PRECISION: tl.constexpr,
-    SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16,
+    SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16, REDO: tl.constexpr = False,
 ):
     """dK and dV of one segment in one reverse sweep over micro-chunk tiles. Grid (batch*heads, num_segments).
 
     Two passes (_tiles): the fast one flags programs whose state ended non-finite, the exact one (SAFE, grid
-    from _tiles.exact_pass_grid, STORE_XN off) redoes only those.
+    from _tiles.exact_pass_grid, STORE_XN off) redoes only those; with REDO the fast program redoes itself
+    when flagged (_tiles.flagged_here), and no exact pass is launched.
     """
     num_seg = tl.cdiv(n, seg_len)
     if SAFE:
@@ -194,6 +197,10 @@ def _la3_dkdv_kernel(
         x = _la3_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, bh, seg, num_seg,
                          D_K, D_V, PAD_K, PAD_V, CHUNK, MICRO, STORE_XN, PRECISION, False)
         flag_nonfinite(flag, x)  # a non-finite Q or dO entry always shows in the state
+        if REDO:  # the exact pass of this program, here (_tiles.EXACT_IN_PLACE)
+            if flagged_here(flag):
+                _la3_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, bh, seg, num_seg,
+                             D_K, D_V, PAD_K, PAD_V, CHUNK, MICRO, False, PRECISION, True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -236,9 +243,11 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     args = (q, k, v, do, dk, dv, x_end, seg, flags, log2_decay, n, heads, seg_len, programs)
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, PAD_V=pad_v, CHUNK=chunk, MICRO=micro, PRECISION=precision,
                 num_warps=num_warps, num_stages=num_stages)
-    launch(_la3_dkdv_kernel, (batch * heads, num_seg))(*args, **meta, STORE_XN=True)
-    safe_grid, scan = exact_pass_grid(programs, q.device)
-    launch(_la3_dkdv_kernel, safe_grid)(*args, **meta, STORE_XN=False, SAFE=True, SCAN=scan)
+    redo = _tiles.redo_in_place(q.dtype, pad_k, pad_v)
+    launch(_la3_dkdv_kernel, (batch * heads, num_seg))(*args, **meta, STORE_XN=True, REDO=redo)
+    if not redo:
+        safe_grid, scan = exact_pass_grid(programs, q.device)
+        launch(_la3_dkdv_kernel, safe_grid)(*args, **meta, STORE_XN=False, SAFE=True, SCAN=scan)
     return in_layout_of(dk, like[0]), in_layout_of(dv, like[1]), x_end
 
 

@@ -145,7 +145,8 @@ def _replay_key(tensors: tuple, log2_decay: Tensor, *options) -> tuple | None:
     ``log2_decay`` is float32: then no launcher copies, converts or re-lays out anything, and every choice the
     launchers make (tiles, segments, grids, strides, the kernels' specialisations) follows from the key: shapes,
     dtypes, the device, the options (block size, ...), Triton's debug and instrumentation settings, whether launches
-    take the fast path (:data:`~._tiles.FAST_LAUNCH`), whether the passes in time order may take descriptor tiles
+    take the fast path (:data:`~._tiles.FAST_LAUNCH`), whether flagged programs are redone in place
+    (:data:`~._tiles.EXACT_IN_PLACE`), whether the passes in time order may take descriptor tiles
     (:data:`~.la2_tma.BACKEND`), and on a GPU the current device, whose stream the launches
     use. In the interpreter bfloat16 is converted (it computes it wrongly), so there a bfloat16 call is not
     replayed. A dimension of length 1 may carry any stride in a contiguous tensor: a replay passes the recorded
@@ -164,7 +165,7 @@ def _replay_key(tensors: tuple, log2_decay: Tensor, *options) -> tuple | None:
         current = None
     else:
         current = torch.cuda.current_device()
-    return (device, current, _tiles.FAST_LAUNCH, la2_tma.BACKEND, triton.knobs.runtime.debug,
+    return (device, current, _tiles.FAST_LAUNCH, _tiles.EXACT_IN_PLACE, la2_tma.BACKEND, triton.knobs.runtime.debug,
             triton.knobs.compilation.instrumentation_mode, *options, *((x.shape, x.dtype) for x in tensors),
             log2_decay.shape)
 

@@ -1,0 +1,123 @@
+"""Where the exact pass runs: in a launch of its own after the fast kernel, or in the fast kernel's own program
+right after its sweep, on a GPU. (Chapter 07.)
+
+    python -m lightning_edu.perf.redo OUT.json
+
+bf16, 16 heads, d = 64 (the head dim whose kernels redo in place: :func:`~lightning_edu.triton_kernels._tiles.redo_in_place`),
+B = max(1, 32768 / T) sequences of T in {2K, 8K, 32K} tokens (32K tokens per call; 16 x 2K), the benchmark's per-head
+decays. The two ways, :data:`~lightning_edu.triton_kernels._tiles.EXACT_IN_PLACE` False and True, are timed in
+interleaved rounds, each time with the backend's launches planned afresh:
+
+- ``fwd_ms`` / ``fwd_graph_ms``: the forward with no backward to follow
+  (:func:`~lightning_edu.triton_kernels.ops.forward_impl`), by ``triton.testing.do_bench`` (which empties L2 before
+  every run, as the benchmark times) and captured in a CUDA graph (``do_bench_cudagraph``: the GPU's time alone);
+- ``fwdbwd_ms`` / ``fwdbwd_graph_ms``: forward with its states saved and the backend's backward
+  (:func:`~lightning_edu.triton_kernels.ops.backward_impl`), the same two ways;
+- ``user_ms``: what a user's training step pays, ``lightning_attention(q, k, v, decay, backend="triton")`` on
+  leaves that require grad, ``.backward(do)`` through autograd (its device thread, as by default), the
+  gradients set to None; decay a CUDA tensor; ``do_bench``'s median. A short call is bound by the host here.
+
+``launches``: the kernels one forward + backward launches (from the launch plans the backend records).
+``same_bits``: whether the two ways gave the same o, dq, dk and dv. ``floor_frac``: the 4-tensor (forward) or
+7-tensor (forward + backward) HBM floor at the measured copy bandwidth over the time. One JSON record with the
+machine, versions and commit.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+from .bench import hbm_floor_bytes, head_decays
+from .environment import gpu_record, save_record
+
+__all__ = ["SHAPES", "ROUNDS", "main"]
+
+SHAPES = ((64, 2048, 16), (64, 8192, 4), (64, 32768, 1))  # (d, T, batch)
+ROUNDS = 5
+HEADS = 16
+TIMES = ("fwd_ms", "fwd_graph_ms", "fwdbwd_ms", "fwdbwd_graph_ms", "user_ms")
+
+
+def main(argv=None) -> int:
+    import numpy as np
+    import torch
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    from .. import lightning_attention
+    from ..triton_kernels import _tiles, ops
+
+    argv = sys.argv[1:] if argv is None else argv
+    record = gpu_record(argv, __doc__, "redo", heads=HEADS, dtype="bfloat16", rounds=ROUNDS,
+                        timer="triton.testing.do_bench (L2 emptied before each run) and do_bench_cudagraph, medians",
+                        results=[])
+    if isinstance(record, int):
+        return record
+    bw = record["copy_bandwidth_bytes_per_s"]
+    decay = torch.tensor(head_decays(HEADS), dtype=torch.float32, device="cuda")
+    log2_decay = torch.tensor(np.log2(head_decays(HEADS)), dtype=torch.float32, device="cuda")
+    default = _tiles.EXACT_IN_PLACE
+
+    def use(in_place):  # where the exact pass runs, with the calls' launches planned afresh
+        _tiles.EXACT_IN_PLACE = in_place
+        ops.forget_plans()
+
+    try:
+        for d, t, batch in SHAPES:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, do = (torch.randn(batch, HEADS, t, d, device="cuda", generator=gen).bfloat16() / 4
+                           for _ in range(4))
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+            def fwd():
+                return ops.forward_impl(q, k, v, log2_decay, None, None, False)[0]
+
+            def fwdbwd():
+                o, _, incoming = ops.forward_impl(q, k, v, log2_decay, None, None, True)
+                return (o, *ops.backward_impl(q, k, v, do, log2_decay, None, None, incoming, None, False)[:3])
+
+            def user():
+                lightning_attention(*leaves, decay, backend="triton").backward(do)
+                for x in leaves:
+                    x.grad = None
+
+            times = {way: {key: [] for key in TIMES} for way in (False, True)}
+            outs, launches = {}, {}
+            for _ in range(ROUNDS):
+                for way in (False, True):
+                    use(way)
+                    outs[way] = fwdbwd()
+                    plans = [p for p in (*ops._FORWARD_PLANS.values(), *ops._BACKWARD_PLANS.values()) if p is not None]
+                    launches[way] = sum(len(p.launches) for p in plans)
+                    times[way]["fwd_ms"].append(do_bench(fwd, return_mode="median"))
+                    times[way]["fwd_graph_ms"].append(do_bench_cudagraph(fwd, return_mode="median"))
+                    times[way]["fwdbwd_ms"].append(do_bench(fwdbwd, return_mode="median"))
+                    times[way]["fwdbwd_graph_ms"].append(do_bench_cudagraph(fwdbwd, return_mode="median"))
+                    times[way]["user_ms"].append(do_bench(user, return_mode="median"))
+            fwd_floor = hbm_floor_bytes(batch, t, HEADS, d) / bw * 1e3
+            fb_floor = (hbm_floor_bytes(batch, t, HEADS, d)
+                        + hbm_floor_bytes(batch, t, HEADS, d, backward=True)) / bw * 1e3
+            row = {"D": d, "T": t, "batch": batch,
+                   "same_bits": all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))}
+            for way, name in ((False, "own_launch"), (True, "in_place")):
+                med = {key: statistics.median(xs) for key, xs in times[way].items()}
+                row[name] = {**{key: round(x, 5) for key, x in med.items()},
+                             **{f"{key}_rounds": [round(x, 5) for x in xs] for key, xs in times[way].items()},
+                             "launches": launches[way],
+                             "fwd_floor_frac": fwd_floor / med["fwd_ms"],
+                             "fwdbwd_floor_frac": fb_floor / med["fwdbwd_ms"],
+                             "user_floor_frac": fb_floor / med["user_ms"]}
+            a, b = row["own_launch"], row["in_place"]
+            print(f"d={d} T={t}: launches {a['launches']} -> {b['launches']}; fwd {a['fwd_ms']:.4f} -> "
+                  f"{b['fwd_ms']:.4f} ms, f+b {a['fwdbwd_ms']:.4f} -> {b['fwdbwd_ms']:.4f} (graph "
+                  f"{a['fwdbwd_graph_ms']:.4f} -> {b['fwdbwd_graph_ms']:.4f}), user {a['user_ms']:.4f} -> "
+                  f"{b['user_ms']:.4f}; same bits {row['same_bits']}", flush=True)
+            record["results"].append(row)
+            save_record(argv[0], record)
+    finally:
+        use(default)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
