@@ -87,7 +87,8 @@ def main(argv=None) -> int:
                 for way in (False, True):
                     use(way)
                     outs[way] = fwdbwd()
-                    plans = [p for p in (*ops._FORWARD_PLANS.values(), *ops._BACKWARD_PLANS.values()) if p is not None]
+                    plans = [p for p in (*ops._FORWARD_PLANS.values(), *ops._BACKWARD_PLANS.values())
+                             if p is not None]
                     launches[way] = sum(len(p.launches) for p in plans)
                     times[way]["fwd_ms"].append(do_bench(fwd, return_mode="median"))
                     times[way]["fwd_graph_ms"].append(do_bench_cudagraph(fwd, return_mode="median"))

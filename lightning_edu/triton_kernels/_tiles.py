@@ -37,7 +37,7 @@ fp16 overflow): that only costs the exact pass's time, never a wrong result.
 In place, where it costs nothing. The backend's kernels with 16-bit tiles and a state of at most 64 x 64
 (:func:`redo_in_place`) hold both passes in one program: the fast sweep, its flag, then (:func:`flagged_here`)
 the exact sweep of the same program when its flag is set. On an H100 their GPU time did not move, while a short
-forward + backward, bound by the host, launched three kernels fewer and took 6-14 % less (chapter 07). The
+forward + backward, bound by the host, launched three kernels fewer and took 6-14 % less (:func:`redo_in_place`). The
 exact pass of the other kernels (la1, la2_literal, float32 tiles, larger states, la2_tma's descriptor kernel)
 stays a launch of its own.
 
@@ -110,14 +110,17 @@ def redo_in_place(dtype, state_rows: int, state_cols: int) -> bool:
     """Whether a kernel whose program carries a ``state_rows`` x ``state_cols`` float32 state, on tiles of
     ``dtype``, redoes its flagged programs in place (:data:`EXACT_IN_PLACE`): 16-bit tiles and a state of at most
     :data:`REDO_STATE` entries (d <= 64), where a call is short and its launches cost the host more than the GPU
-    its time. Measured on an H100 (bf16, 16 heads, 32K tokens per call, ``python -m lightning_edu.perf.redo``,
-    chapter 07): at d = 64 the kernels' GPU time did not move, and a forward + backward through autograd took
-    6-14 % less from T = 2K to 32K, with 5 launches instead of 8. A first call (bf16 or fp16, d = 64, a fresh
-    process) compiled 5 kernels instead of 8, 7.8-10.0 s of compiling in all against 13.9-14.9 s, and returned
-    in 4.1-4.6 s against 3.6-4.1 s (compiled side by side, where one larger kernel is the longer wait). At d = 128, in place on every state, the backward's
-    reversed passes ran 1-2 % faster on 64-column slices and 6 % slower on a 128 x 128 state (d_v whole, T = 2K):
-    there a call is long, and the launches it saves are worth little. float32 tiles, the spilling kind, keep
-    two launches."""
+    its time.
+
+    Measured on H100 machines (driver 580.159, torch 2.11, Triton 3.6; bf16, 16 heads, 32K tokens per call; the
+    kernels of commit 074c500, both ways timed in 5 interleaved rounds, in two runs on two machines, by the
+    measurement ``python -m lightning_edu.perf.redo`` repeats): at d = 64 the kernels' GPU time did not move, and
+    a forward + backward through autograd took 6-14 % less from T = 2K to 32K, with 5 launches instead of 8. A
+    first call (bf16 or fp16, d = 64, a fresh process) compiled 5 kernels instead of 8, 7.8-10.0 s of compiling
+    in all against 13.9-14.9 s, and returned in 4.1-4.6 s against 3.6-4.1 s (compiled side by side, where the
+    one larger kernel is the longer wait). At d = 128, in place on every state, the backward's reversed passes
+    ran 1-2 % faster on 64-column slices and 6 % slower on a 128 x 128 state (d_v whole, T = 2K): there a call
+    is long, and the launches it saves are worth little. float32 tiles, the spilling kind, keep two launches."""
     import torch
 
     return EXACT_IN_PLACE and dtype in (torch.float16, torch.bfloat16) and state_rows * state_cols <= REDO_STATE
