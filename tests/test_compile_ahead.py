@@ -135,7 +135,8 @@ def test_the_ahead_pass_makes_the_launches_of_a_forward_and_backward(dtype, d_k,
     ops._COMPILED.clear()
     ops._first_call(q.detach(), k.detach(), v.detach(), log2_decay, s0.detach(), None, True,
                     ops.launch_plan(q, v)[2])
-    assert len(launches["real"]) >= 6
+    # the forward, the dQ pass and the dK/dV pass(es), each followed by its exact pass unless that runs in place
+    assert len(launches["real"]) >= (3 if _tiles.redo_in_place(dtype, d_k, d_v) else 6)
     assert sorted(launches["ahead"], key=repr) == sorted(launches["real"], key=repr)
 
 

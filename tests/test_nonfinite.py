@@ -32,6 +32,8 @@ from lightning_edu.triton_kernels.lookback import lookback_forward
 
 # The kernels run on the GPU where there is one, else in Triton's CPU interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# On a GPU the kernel tests below belong to the GPU suite too (``pytest -m gpu``, README).
+gpu_too = pytest.mark.gpu if DEVICE == "cuda" else (lambda test: test)
 
 # NaN and inf are the inputs here: numpy may warn about them, and that is expected.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -222,6 +224,7 @@ def test_nonfinite_reaches_exactly_its_dependents(name, problem):
     _check(FAST[name], problem)
 
 
+@gpu_too
 @pytest.mark.parametrize("name", sorted(KERNELS))
 @settings(max_examples=12)  # the CPU interpreter runs each kernel slowly; 12 examples x 10 variants
 @given(problem=poisoned_problems())
@@ -229,6 +232,7 @@ def test_nonfinite_reaches_exactly_its_dependents_in_kernels(name, problem):
     _check(KERNELS[name], problem)
 
 
+@gpu_too
 def test_issue_example_later_nan_leaves_earlier_rows_alone():
     # One NaN in k at the last of 8 tokens: only row 7 depends on it, on every backend.
     q = np.ones((1, 1, 8, 2))
@@ -242,6 +246,7 @@ def test_issue_example_later_nan_leaves_earlier_rows_alone():
         assert np.array_equal(torch.isfinite(o).all(-1)[0, 0].cpu().numpy(), want), backend
 
 
+@gpu_too
 @pytest.mark.parametrize("dtype, d, in_place", [
     (torch.float16, 32, True),    # 16-bit tiles, a state of at most 64 x 64: the fast kernels redo in place
     (torch.float32, 32, False),   # float32 tiles: the exact pass is a launch of its own
