@@ -3,7 +3,8 @@
 
 Each error is measured once per session. Without a GPU the Triton rows run in the CPU interpreter (two to three
 minutes in all, on one core), which computes bfloat16 in float32, so there its longest bfloat16 row is left to the
-GPU; its float32 rows are measured in a second process, on another core, while this one measures the rest.
+GPU; its 16K rows and its float32 64K row are measured in a second process, on another core, while this one
+measures the rest.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import torch
 from lightning_edu.precision import DECAYS, ERROR_BOUNDS, SIZES, factor_rounding_error, measure_error
 
 
-# Rows measured in a second process, without a GPU: Triton's float32 rows above the shortest, about 65 of the
-# interpreter's 150 seconds. The interpreter runs a kernel in one Python thread, so this process keeps one core busy
-# and leaves the other idle; the worker measures these rows there while this process measures the others (bfloat16
-# and float16 come first in the test order, float32 last, so their results are in by then). The worker calls the
-# same measure_error with the same arguments (fixed inputs and seed), so every number is the one this process would
-# have measured: each row is still measured and held to its bound.
-ELSEWHERE = {("triton", "float32", n) for n in SIZES if n > min(SIZES)}
+# Rows measured in a second process, without a GPU: Triton's 16K rows and its float32 64K row, about 90 of the
+# interpreter's 170 seconds (its float16 64K row alone takes 65, here). The interpreter runs a kernel in one Python
+# thread, so this process keeps one core busy and leaves the other idle; the worker measures these rows there, in the
+# order this process's tests read them, while this process measures the others (the 16K rows come first in the test
+# order, and this process reaches them after the numpy and torch rows, by when the first are in). The worker calls
+# the same measure_error with the same arguments (fixed inputs and seed), so every number is the one this process
+# would have measured: each row is still measured and held to its bound.
+ELSEWHERE = {("triton", dtype, 16384) for dtype in ("bfloat16", "float16", "float32")} | {("triton", "float32", 65536)}
 _pending: dict[tuple[str, str, int], Future] = {}
 
 
@@ -35,32 +37,32 @@ def errors(backend: str, dtype: str, n: int) -> np.ndarray:
     return pending.result() if pending is not None else measure_error(backend, dtype, n)
 
 
-def _rows_needed(items) -> set[tuple[str, str, int]]:
-    """The (backend, dtype, n) rows the selected tests of this file read."""
-    rows = set()
+def _rows_needed(items) -> list[tuple[str, str, int]]:
+    """The (backend, dtype, n) rows the selected tests of this file read, in the order they first read them."""
+    rows = {}
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if "n" not in params or getattr(getattr(item, "module", None), "__name__", None) != __name__:
             continue
         if "backend" in params:
-            rows.add((params["backend"], params["dtype"], params["n"]))
+            rows[params["backend"], params["dtype"], params["n"]] = None
         else:  # test_torch_float32_is_as_precise_as_the_kernels
-            rows |= {("torch", "float32", params["n"]), ("triton", "float32", params["n"])}
-    return rows
+            rows.update(dict.fromkeys([("torch", "float32", params["n"]), ("triton", "float32", params["n"])]))
+    return list(rows)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _measure_rows_alongside(request):
     """Without a GPU, start the worker on the ELSEWHERE rows that the selected tests need (none when run alone with
     -k on other rows), before the first test of this file; stop it after the last."""
-    wanted = ELSEWHERE & _rows_needed(request.session.items)
+    wanted = [row for row in _rows_needed(request.session.items) if row in ELSEWHERE]
     if torch.cuda.is_available() or not wanted:
         yield
         return
     # spawn: a fresh interpreter (forking a process that holds torch's threads can deadlock); it inherits
     # TRITON_INTERPRET=1 from the environment conftest.py set
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for row in sorted(wanted, key=lambda row: row[2]):
+        for row in wanted:  # in the order the tests read them
             _pending[row] = pool.submit(measure_error, *row)
         try:
             yield
