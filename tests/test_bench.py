@@ -304,3 +304,17 @@ def test_run_tiny_interleaves_its_methods_in_rounds(monkeypatch):
     assert rows["ours", 32]["fwdbwd_wall_ms_rounds"] == [7.0, 10.0, 11.0]
     assert rows["broken", 32] == {"method": "broken", "T": 256, "D": 32, "batch": 1, "heads": 4, "dtype": "fp32",
                                   "error": "RuntimeError: no such kernel"}
+
+
+def test_two_ways_interleaves_its_rounds_and_summarises_each_way():
+    # perf.prepass and perf.redo time a setting off and on in turn: off, on, off, on, ...; each way's entry holds
+    # the median, the rounds and the floor over the median.
+    from lightning_edu.perf.two_ways import summary, time_two_ways
+
+    switched, way = [], {}
+    times, firsts = time_two_ways(lambda on: switched.append(on) or way.update(on=on),
+                                  {"a_ms": lambda: 2.0 if way["on"] else 4.0}, first=lambda: way["on"], rounds=3)
+    assert switched == [False, True] * 3
+    assert times == {False: {"a_ms": [4.0] * 3}, True: {"a_ms": [2.0] * 3}} and firsts == {False: False, True: True}
+    assert summary({"a_ms": [1.0, 3.0, 2.0]}, {"a_frac": ("a_ms", 1.0)}) == {
+        "a_ms": 2.0, "a_ms_rounds": [1.0, 3.0, 2.0], "a_frac": 0.5}

@@ -25,17 +25,15 @@ reads each segment's first rows last, and some of them are still in L2 when the 
 
 from __future__ import annotations
 
-import statistics
 import sys
 
-from .bench import hbm_floor_bytes, head_decays
-from .environment import gpu_record, save_record
+from .bench import head_decays
+from .environment import save_record
+from .two_ways import HEADS, ROUNDS, backend_calls, floors_ms, inputs, start_record, summary, time_two_ways
 
 __all__ = ["SHAPES", "ROUNDS", "main"]
 
 SHAPES = tuple((d, t) for d in (128, 64) for t in (8192, 32768, 131072))
-ROUNDS = 5
-HEADS = 16
 
 
 def _rel_diff(a, b) -> float:
@@ -50,12 +48,9 @@ def main(argv=None) -> int:
     from ..triton_kernels import la2_fast, ops
 
     argv = sys.argv[1:] if argv is None else argv
-    record = gpu_record(argv, __doc__, "prepass", heads=HEADS, dtype="bfloat16", rounds=ROUNDS,
-                        timer="triton.testing.do_bench (L2 emptied before each run) and do_bench_cudagraph, medians",
-                        results=[])
+    record = start_record(argv, __doc__, "prepass")
     if isinstance(record, int):
         return record
-    bw = record["copy_bandwidth_bytes_per_s"]
     log2_decay = torch.tensor(np.log2(head_decays(HEADS)), dtype=torch.float32, device="cuda")
     default = la2_fast.PREPASS_TAIL_FIRST
 
@@ -65,37 +60,20 @@ def main(argv=None) -> int:
 
     for d, t in SHAPES:
         batch = max(1, 32768 // t)
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, do = (torch.randn(batch, HEADS, t, d, device="cuda", generator=gen).bfloat16() / 4 for _ in range(4))
-
-        def fwd():
-            return ops.forward_impl(q, k, v, log2_decay, None, None, False)[0]
-
-        def fwdbwd():
-            o, _, incoming = ops.forward_impl(q, k, v, log2_decay, None, None, True)
-            return (o, *ops.backward_impl(q, k, v, do, log2_decay, None, None, incoming, None, False)[:3])
-
-        times = {order: {"fwd_ms": [], "fwd_graph_ms": [], "fwdbwd_ms": []} for order in (False, True)}
-        outs = {}
-        for _ in range(ROUNDS):
-            for order in (False, True):
-                use(order)
-                outs[order] = (fwd(), *fwdbwd()[1:])
-                times[order]["fwd_ms"].append(do_bench(fwd, return_mode="median"))
-                times[order]["fwd_graph_ms"].append(do_bench_cudagraph(fwd, return_mode="median"))
-                times[order]["fwdbwd_ms"].append(do_bench(fwdbwd, return_mode="median"))
+        q, k, v, do = inputs(batch, t, d)
+        fwd, fwdbwd = backend_calls(q, k, v, do, log2_decay)
+        times, outs = time_two_ways(use, {"fwd_ms": lambda: do_bench(fwd, return_mode="median"),
+                                          "fwd_graph_ms": lambda: do_bench_cudagraph(fwd, return_mode="median"),
+                                          "fwdbwd_ms": lambda: do_bench(fwdbwd, return_mode="median")},
+                                    first=lambda: (fwd(), *fwdbwd()[1:]))
         use(default)
-        fwd_floor = hbm_floor_bytes(batch, t, HEADS, d) / bw * 1e3
-        fb_floor = (hbm_floor_bytes(batch, t, HEADS, d) + hbm_floor_bytes(batch, t, HEADS, d, backward=True)) / bw * 1e3
+        fwd_floor, fb_floor = floors_ms(batch, t, d, record["copy_bandwidth_bytes_per_s"])
         row = {"D": d, "T": t, "batch": batch, "segments": ops.launch_plan(q, v, None, False)[2],
                "rel_diff": _rel_diff(outs[True], outs[False])}
         for order, name in ((False, "start_first"), (True, "tail_first")):
-            med = {key: statistics.median(xs) for key, xs in times[order].items()}
-            row[name] = {**{key: round(x, 5) for key, x in med.items()},
-                         **{f"{key}_rounds": [round(x, 5) for x in xs] for key, xs in times[order].items()},
-                         "fwd_floor_frac": fwd_floor / med["fwd_ms"],
-                         "fwd_graph_floor_frac": fwd_floor / med["fwd_graph_ms"],
-                         "fwdbwd_floor_frac": fb_floor / med["fwdbwd_ms"]}
+            row[name] = summary(times[order], {"fwd_floor_frac": ("fwd_ms", fwd_floor),
+                                               "fwd_graph_floor_frac": ("fwd_graph_ms", fwd_floor),
+                                               "fwdbwd_floor_frac": ("fwdbwd_ms", fb_floor)})
         print(f"d={d} T={t}: fwd {row['start_first']['fwd_ms']:.4f} -> {row['tail_first']['fwd_ms']:.4f} ms "
               f"(graph {row['start_first']['fwd_graph_ms']:.4f} -> {row['tail_first']['fwd_graph_ms']:.4f}), "
               f"f+b {row['start_first']['fwdbwd_ms']:.4f} -> {row['tail_first']['fwdbwd_ms']:.4f}; "

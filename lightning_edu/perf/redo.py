@@ -25,18 +25,15 @@ machine, versions and commit.
 
 from __future__ import annotations
 
-import statistics
 import sys
 
-from .bench import hbm_floor_bytes, head_decays
-from .environment import gpu_record, save_record
+from .bench import head_decays
+from .environment import save_record
+from .two_ways import HEADS, ROUNDS, backend_calls, floors_ms, inputs, start_record, summary, time_two_ways
 
 __all__ = ["SHAPES", "ROUNDS", "main"]
 
 SHAPES = ((64, 2048, 16), (64, 8192, 4), (64, 32768, 1))  # (d, T, batch)
-ROUNDS = 5
-HEADS = 16
-TIMES = ("fwd_ms", "fwd_graph_ms", "fwdbwd_ms", "fwdbwd_graph_ms", "user_ms")
 
 
 def main(argv=None) -> int:
@@ -48,12 +45,9 @@ def main(argv=None) -> int:
     from ..triton_kernels import _tiles, ops
 
     argv = sys.argv[1:] if argv is None else argv
-    record = gpu_record(argv, __doc__, "redo", heads=HEADS, dtype="bfloat16", rounds=ROUNDS,
-                        timer="triton.testing.do_bench (L2 emptied before each run) and do_bench_cudagraph, medians",
-                        results=[])
+    record = start_record(argv, __doc__, "redo")
     if isinstance(record, int):
         return record
-    bw = record["copy_bandwidth_bytes_per_s"]
     decay = torch.tensor(head_decays(HEADS), dtype=torch.float32, device="cuda")
     log2_decay = torch.tensor(np.log2(head_decays(HEADS)), dtype=torch.float32, device="cuda")
     default = _tiles.EXACT_IN_PLACE
@@ -62,52 +56,36 @@ def main(argv=None) -> int:
         _tiles.EXACT_IN_PLACE = in_place
         ops.forget_plans()
 
+    def launches():  # of the forward + backward just recorded
+        return sum(len(p.launches) for p in (*ops._FORWARD_PLANS.values(), *ops._BACKWARD_PLANS.values())
+                   if p is not None)
+
     try:
         for d, t, batch in SHAPES:
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            q, k, v, do = (torch.randn(batch, HEADS, t, d, device="cuda", generator=gen).bfloat16() / 4
-                           for _ in range(4))
+            q, k, v, do = inputs(batch, t, d)
+            fwd, fwdbwd = backend_calls(q, k, v, do, log2_decay)
             leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-
-            def fwd():
-                return ops.forward_impl(q, k, v, log2_decay, None, None, False)[0]
-
-            def fwdbwd():
-                o, _, incoming = ops.forward_impl(q, k, v, log2_decay, None, None, True)
-                return (o, *ops.backward_impl(q, k, v, do, log2_decay, None, None, incoming, None, False)[:3])
 
             def user():
                 lightning_attention(*leaves, decay, backend="triton").backward(do)
                 for x in leaves:
                     x.grad = None
 
-            times = {way: {key: [] for key in TIMES} for way in (False, True)}
-            outs, launches = {}, {}
-            for _ in range(ROUNDS):
-                for way in (False, True):
-                    use(way)
-                    outs[way] = fwdbwd()
-                    plans = [p for p in (*ops._FORWARD_PLANS.values(), *ops._BACKWARD_PLANS.values())
-                             if p is not None]
-                    launches[way] = sum(len(p.launches) for p in plans)
-                    times[way]["fwd_ms"].append(do_bench(fwd, return_mode="median"))
-                    times[way]["fwd_graph_ms"].append(do_bench_cudagraph(fwd, return_mode="median"))
-                    times[way]["fwdbwd_ms"].append(do_bench(fwdbwd, return_mode="median"))
-                    times[way]["fwdbwd_graph_ms"].append(do_bench_cudagraph(fwdbwd, return_mode="median"))
-                    times[way]["user_ms"].append(do_bench(user, return_mode="median"))
-            fwd_floor = hbm_floor_bytes(batch, t, HEADS, d) / bw * 1e3
-            fb_floor = (hbm_floor_bytes(batch, t, HEADS, d)
-                        + hbm_floor_bytes(batch, t, HEADS, d, backward=True)) / bw * 1e3
+            times, firsts = time_two_ways(use, {
+                "fwd_ms": lambda: do_bench(fwd, return_mode="median"),
+                "fwd_graph_ms": lambda: do_bench_cudagraph(fwd, return_mode="median"),
+                "fwdbwd_ms": lambda: do_bench(fwdbwd, return_mode="median"),
+                "fwdbwd_graph_ms": lambda: do_bench_cudagraph(fwdbwd, return_mode="median"),
+                "user_ms": lambda: do_bench(user, return_mode="median"),
+            }, first=lambda: (fwdbwd(), launches()))
+            fwd_floor, fb_floor = floors_ms(batch, t, d, record["copy_bandwidth_bytes_per_s"])
             row = {"D": d, "T": t, "batch": batch,
-                   "same_bits": all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))}
+                   "same_bits": all(torch.equal(a, b) for a, b in zip(firsts[False][0], firsts[True][0]))}
             for way, name in ((False, "own_launch"), (True, "in_place")):
-                med = {key: statistics.median(xs) for key, xs in times[way].items()}
-                row[name] = {**{key: round(x, 5) for key, x in med.items()},
-                             **{f"{key}_rounds": [round(x, 5) for x in xs] for key, xs in times[way].items()},
-                             "launches": launches[way],
-                             "fwd_floor_frac": fwd_floor / med["fwd_ms"],
-                             "fwdbwd_floor_frac": fb_floor / med["fwdbwd_ms"],
-                             "user_floor_frac": fb_floor / med["user_ms"]}
+                row[name] = {**summary(times[way], {"fwd_floor_frac": ("fwd_ms", fwd_floor),
+                                                    "fwdbwd_floor_frac": ("fwdbwd_ms", fb_floor),
+                                                    "user_floor_frac": ("user_ms", fb_floor)}),
+                             "launches": firsts[way][1]}
             a, b = row["own_launch"], row["in_place"]
             print(f"d={d} T={t}: launches {a['launches']} -> {b['launches']}; fwd {a['fwd_ms']:.4f} -> "
                   f"{b['fwd_ms']:.4f} ms, f+b {a['fwdbwd_ms']:.4f} -> {b['fwdbwd_ms']:.4f} (graph "
