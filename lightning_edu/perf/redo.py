@@ -3,9 +3,9 @@ right after its sweep, on a GPU. (Chapter 07.)
 
     python -m lightning_edu.perf.redo OUT.json
 
-bf16, 16 heads, d = 64 (the head dim whose kernels redo in place: :func:`~lightning_edu.triton_kernels._tiles.redo_in_place`),
-B = max(1, 32768 / T) sequences of T in {2K, 8K, 32K} tokens (32K tokens per call; 16 x 2K), the benchmark's per-head
-decays. The two ways, :data:`~lightning_edu.triton_kernels._tiles.EXACT_IN_PLACE` False and True, are timed in
+bf16, 16 heads, d = 64 (the head dim whose kernels redo in place:
+:func:`~lightning_edu.triton_kernels._tiles.redo_in_place`), B = max(1, 32768 / T) sequences of T in {2K, 8K, 32K}
+tokens (32K tokens per call; 16 x 2K), the benchmark's per-head decays. The two ways, :data:`~lightning_edu.triton_kernels._tiles.EXACT_IN_PLACE` False and True, are timed in
 interleaved rounds, each time with the backend's launches planned afresh:
 
 - ``fwd_ms`` / ``fwd_graph_ms``: the forward with no backward to follow

@@ -11,7 +11,8 @@ import statistics
 
 from .environment import gpu_record
 
-__all__ = ["HEADS", "ROUNDS", "TIMER", "start_record", "inputs", "backend_calls", "floors_ms", "time_two_ways", "summary"]
+__all__ = ["HEADS", "ROUNDS", "TIMER", "start_record", "inputs", "backend_calls", "floors_ms", "time_two_ways",
+           "summary"]
 
 HEADS = 16
 ROUNDS = 5

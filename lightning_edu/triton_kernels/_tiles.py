@@ -38,8 +38,8 @@ In place, where it costs nothing. The backend's kernels with 16-bit tiles and a 
 (:func:`redo_in_place`) hold both passes in one program: the fast sweep, its flag, then (:func:`flagged_here`)
 the exact sweep of the same program when its flag is set. On an H100 their GPU time did not move, while a short
 forward + backward, bound by the host, launched three kernels fewer and took 6-14 % less (:func:`redo_in_place`). The
-exact pass of the other kernels (la1, la2_literal, float32 tiles, larger states, la2_tma's descriptor kernel)
-stays a launch of its own.
+exact pass of the other kernels (la1, la2_literal, la2_fast's fused dK/dV, the one-pass forward of ``lookback``,
+la2_tma's descriptor kernel, float32 tiles, larger states) stays a launch of its own.
 
 How the kernels are written (every kernel of this package, so that one reads like the next):
 

@@ -38,8 +38,8 @@ import triton.language as tl
 from . import _tiles
 from ._tiles import (
     aligned, apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    dense, flagged_here, flagged_range, head_offset, head_start, interpreted, launch, pad_dim, poison, refuse_interpreted_bf16,
-    sm_count,
+    dense, flagged_here, flagged_range, head_offset, head_start, interpreted, launch, pad_dim, poison,
+    refuse_interpreted_bf16, sm_count,
 )
 
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
