@@ -15,8 +15,8 @@ False and True, are timed in interleaved rounds, each time with the backend's la
   (:func:`~lightning_edu.triton_kernels.ops.backward_impl`), ``do_bench``'s median.
 
 ``rel_diff``: the largest difference between the two orders' outputs (forward; and dq, dk, dv), relative to the
-largest output, so the reader sees that only rounding moved. ``floor_frac``: the 4-tensor (forward) or 7-tensor
-(forward + backward) HBM floor at the measured copy bandwidth over the time. One JSON record with the machine,
+largest output, so the reader sees that only rounding moved. ``floor_frac``: the 4-tensor (forward) or
+11-tensor (forward + backward: 4 + 7) HBM floor at the measured copy bandwidth over the time. One JSON record with the machine,
 versions and commit.
 
 Why the order can matter: the main pass reads each segment from its start. Summed from its end, the pre-pass

@@ -5,8 +5,9 @@ right after its sweep, on a GPU. (Chapter 07.)
 
 bf16, 16 heads, d = 64 (the head dim whose kernels redo in place:
 :func:`~lightning_edu.triton_kernels._tiles.redo_in_place`), B = max(1, 32768 / T) sequences of T in {2K, 8K, 32K}
-tokens (32K tokens per call; 16 x 2K), the benchmark's per-head decays. The two ways, :data:`~lightning_edu.triton_kernels._tiles.EXACT_IN_PLACE` False and True, are timed in
-interleaved rounds, each time with the backend's launches planned afresh:
+tokens (32K tokens per call; 16 x 2K), the benchmark's per-head decays. The two ways,
+:data:`~lightning_edu.triton_kernels._tiles.EXACT_IN_PLACE` False and True, are timed in interleaved rounds
+(:mod:`.two_ways`), each time with the backend's launches planned afresh:
 
 - ``fwd_ms`` / ``fwd_graph_ms``: the forward with no backward to follow
   (:func:`~lightning_edu.triton_kernels.ops.forward_impl`), by ``triton.testing.do_bench`` (which empties L2 before
@@ -18,8 +19,8 @@ interleaved rounds, each time with the backend's launches planned afresh:
   gradients set to None; decay a CUDA tensor; ``do_bench``'s median. A short call is bound by the host here.
 
 ``launches``: the kernels one forward + backward launches (from the launch plans the backend records).
-``same_bits``: whether the two ways gave the same o, dq, dk and dv. ``floor_frac``: the 4-tensor (forward) or
-7-tensor (forward + backward) HBM floor at the measured copy bandwidth over the time. One JSON record with the
+``same_bits``: whether the two ways gave the same o, dq, dk and dv. ``*_floor_frac``: the 4-tensor (forward) or
+11-tensor (forward + backward) HBM floor at the measured copy bandwidth over the time. One JSON record with the
 machine, versions and commit.
 """
 
