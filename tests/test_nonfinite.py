@@ -259,8 +259,11 @@ def test_the_exact_pass_runs_in_place_only_where_redo_in_place_says(dtype, d, in
     for module in (la2_fast, la3):
         def spy(kernel, grid, real=module.launch):
             run = real(kernel, grid)
-            return lambda *args, **meta: (seen.append((getattr(kernel, "fn", kernel).__name__, meta.get("SAFE", False),
-                                                       meta.get("REDO", False))), run(*args, **meta))[1]
+
+            def call(*args, **meta):
+                seen.append((getattr(kernel, "fn", kernel).__name__, meta.get("SAFE", False), meta.get("REDO", False)))
+                return run(*args, **meta)
+            return call
         monkeypatch.setattr(module, "launch", spy)
     ops.forget_plans()  # no replay: every launcher runs
     q, k, v = (torch.randn(1, 2, 40, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
