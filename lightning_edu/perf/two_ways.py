@@ -19,9 +19,9 @@ ROUNDS = 5
 TIMER = "triton.testing.do_bench (L2 emptied before each run) and do_bench_cudagraph, medians"
 
 
-def start_record(argv: list[str], doc: str, module: str) -> dict | int:
+def start_record(argv: list[str], doc: str, module: str, rounds: int = ROUNDS) -> dict | int:
     """:func:`~.environment.gpu_record` with the fields both measurements hold (an int: the exit status)."""
-    return gpu_record(argv, doc, module, heads=HEADS, dtype="bfloat16", rounds=ROUNDS, timer=TIMER, results=[])
+    return gpu_record(argv, doc, module, heads=HEADS, dtype="bfloat16", rounds=rounds, timer=TIMER, results=[])
 
 
 def inputs(batch: int, t: int, d: int):

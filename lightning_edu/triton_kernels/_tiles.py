@@ -34,12 +34,13 @@ and on (the exact pass), and by default launched twice:
 A flag can also be raised by a non-finite value the fast pass handled exactly (a q, an initial state, an
 fp16 overflow): that only costs the exact pass's time, never a wrong result.
 
-In place, where it costs nothing. The backend's kernels with 16-bit tiles and a state of at most 64 x 64
+In place, where it costs little. The backend's kernels with 16-bit tiles and a state of at most 64 x 64
 (:func:`redo_in_place`) hold both passes in one program: the fast sweep, its flag, then (:func:`flagged_here`)
-the exact sweep of the same program when its flag is set. On an H100 their GPU time did not move, while a short
-forward + backward, bound by the host, launched three kernels fewer and took 6-14 % less (:func:`redo_in_place`). The
-exact pass of the other kernels (la1, la2_literal, la2_fast's fused dK/dV, the one-pass forward of ``lookback``,
-la2_tma's descriptor kernel, float32 tiles, larger states) stays a launch of its own.
+the exact sweep of the same program when its flag is set. On an H100 their GPU time moved by about 1 %, while a
+short forward + backward, bound by the host, launched three kernels fewer and took up to 10 % less
+(:func:`redo_in_place`). The exact pass of the other kernels (la1, la2_literal, la2_fast's fused dK/dV, the
+one-pass forward of ``lookback``, la2_tma's descriptor kernel, float32 tiles, larger states) stays a launch of its
+own.
 
 How the kernels are written (every kernel of this package, so that one reads like the next):
 
@@ -112,10 +113,12 @@ def redo_in_place(dtype, state_rows: int, state_cols: int) -> bool:
     :data:`REDO_STATE` entries (d <= 64), where a call is short and its launches cost the host more than the GPU
     its time.
 
-    Measured on H100 machines (driver 580.159, torch 2.11, Triton 3.6; bf16, 16 heads, 32K tokens per call; the
-    kernels of commit 074c500, both ways timed in 5 interleaved rounds, in two runs on two machines, by the
-    measurement ``python -m lightning_edu.perf.redo`` repeats): at d = 64 the kernels' GPU time did not move, and
-    a forward + backward through autograd took 6-14 % less from T = 2K to 32K, with 5 launches instead of 8. A
+    Measured on H100 machines (driver 580.159, torch 2.11, Triton 3.6; bf16, 16 heads, 32K tokens per call, d = 64;
+    ``python -m lightning_edu.perf.redo``, notebooks/data/redo_h100.json, chapter 07: nine interleaved rounds of
+    each way), with 5 launches instead of 8: the kernels' own time (a CUDA graph) 0.5-1.2 % longer in place, the
+    forward timed with its launches 1-2 % shorter, and a forward + backward through autograd, bound by the host,
+    10 % and 9 % shorter at T = 2K and 8K, level at 32K (in two earlier scratch runs of five rounds on two other
+    machines, at the kernels of commit 074c500: 6-14 % shorter from 2K to 32K). A
     first call (bf16 or fp16, d = 64, a fresh process) compiled 5 kernels instead of 8, 7.8-10.0 s of compiling
     in all against 13.9-14.9 s, and returned in 4.1-4.6 s against 3.6-4.1 s (compiled side by side, where the
     one larger kernel is the longer wait). At d = 128, in place on every state, the backward's reversed passes
