@@ -39,7 +39,9 @@ def _cases():
             for dtype in impl.dtypes:
                 if impl.rung == "triton" and device == "cpu" and dtype == "float16" and impl.name != "triton.la2_fast":
                     continue  # the interpreter is slow: one 16-bit check on the CPU is enough
-                yield pytest.param(impl.name, device, dtype, id=f"{impl.name}-{device}-{dtype}")
+                # the CUDA cases join the GPU suite (pytest -m gpu)
+                yield pytest.param(impl.name, device, dtype, id=f"{impl.name}-{device}-{dtype}",
+                                   marks=[pytest.mark.gpu] if device == "cuda" else [])
 
 
 def _inputs(shape, dtype, seed=0):
