@@ -117,13 +117,13 @@ def redo_in_place(dtype, state_rows: int, state_cols: int) -> bool:
     ``python -m lightning_edu.perf.redo``, notebooks/data/redo_h100.json, chapter 07: nine interleaved rounds of
     each way), with 5 launches instead of 8: the kernels' own time (a CUDA graph) 0.5-1.2 % longer in place, the
     forward timed with its launches 1-2 % shorter, and a forward + backward through autograd, bound by the host,
-    10 % and 9 % shorter at T = 2K and 8K, level at 32K (in two earlier scratch runs of five rounds on two other
-    machines, at the kernels of commit 074c500: 6-14 % shorter from 2K to 32K). A
-    first call (bf16 or fp16, d = 64, a fresh process) compiled 5 kernels instead of 8, 7.8-10.0 s of compiling
-    in all against 13.9-14.9 s, and returned in 4.1-4.6 s against 3.6-4.1 s (compiled side by side, where the
-    one larger kernel is the longer wait). At d = 128, in place on every state, the backward's reversed passes
-    ran 1-2 % faster on 64-column slices and 6 % slower on a 128 x 128 state (d_v whole, T = 2K): there a call
-    is long, and the launches it saves are worth little. float32 tiles, the spilling kind, keep two launches."""
+    10 % and 9 % shorter at T = 2K and 8K, level at 32K (in two earlier runs of five rounds on two other machines,
+    at the kernels of commit 074c500: 6-14 % shorter from 2K to 32K). A first call (bf16 or fp16, d = 64, a fresh
+    process) compiled 5 kernels instead of 8, 7.8-10.0 s of compiling in all against 13.9-14.9 s, and returned in
+    4.1-4.6 s against 3.6-4.1 s (compiled side by side, where the one larger kernel is the longer wait). At
+    d = 128, in place on every state, the backward's reversed passes ran 1-2 % faster on 64-column slices and 6 %
+    slower on a 128 x 128 state (d_v whole, T = 2K): there a call is long, and the launches it saves are worth
+    little. float32 tiles, the spilling kind, keep two launches."""
     import torch
 
     return EXACT_IN_PLACE and dtype in (torch.float16, torch.bfloat16) and state_rows * state_cols <= REDO_STATE
