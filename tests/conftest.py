@@ -1,5 +1,6 @@
 import contextlib
 import os
+import sys
 
 # Under pytest-xdist (the GPU suite runs one worker per core) each worker computes on one thread: BLAS and torch
 # would otherwise start a thread per core in every worker, competing with the workers that compile kernels (on an
@@ -74,3 +75,20 @@ def _fresh_launch_plans():
     if ops is not None:
         ops.forget_plans()
     yield
+
+
+def pytest_collection_finish(session):
+    """Start tests/test_precision.py's second process (its interpreter rows, at the lowest priority) as soon as the
+    tests are collected, so that it runs beside the tests before that file's: see its ELSEWHERE."""
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__.rpartition(".")[2] == "test_precision":
+            module.start_alongside(session.items)
+            return
+
+
+def pytest_sessionfinish(session):
+    """A session that stops before tests/test_precision.py's last test does not wait for its second process."""
+    module = sys.modules.get("tests.test_precision") or sys.modules.get("test_precision")
+    if module is not None and hasattr(module, "stop_alongside"):
+        module.stop_alongside()

@@ -3,14 +3,15 @@
 
 Each error is measured once per session. Without a GPU the Triton rows run in the CPU interpreter (two to three
 minutes in all, on one core), which computes bfloat16 in float32, so there its longest bfloat16 row is left to the
-GPU; its 16K rows and its float32 64K row are measured in a second process, on another core, while this one
-measures the rest.
+GPU; its 16K and 64K rows are measured in a second process, started when the tests are collected and run at the
+lowest priority, while the other tests run.
 """
 
 from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 from concurrent.futures import Future, ProcessPoolExecutor
 
 import numpy as np
@@ -20,15 +21,17 @@ import torch
 from lightning_edu.precision import DECAYS, ERROR_BOUNDS, SIZES, factor_rounding_error, measure_error
 
 
-# Rows measured in a second process, without a GPU: Triton's 16K rows and its float32 64K row, about 90 of the
-# interpreter's 170 seconds (its float16 64K row alone takes 65, here). The interpreter runs a kernel in one Python
-# thread, so this process keeps one core busy and leaves the other idle; the worker measures these rows there, in the
-# order this process's tests read them, while this process measures the others (the 16K rows come first in the test
-# order, and this process reaches them after the numpy and torch rows, by when the first are in). The worker calls
-# the same measure_error with the same arguments (fixed inputs and seed), so every number is the one this process
-# would have measured: each row is still measured and held to its bound.
-ELSEWHERE = {("triton", dtype, 16384) for dtype in ("bfloat16", "float16", "float32")} | {("triton", "float32", 65536)}
+# Rows measured in a second process, without a GPU: Triton's 16K and 64K rows, about 150 of the interpreter's 170
+# seconds (its float16 64K row alone takes 65, here). The interpreter runs a kernel in one Python thread, and most
+# of a test run keeps one of CI's two cores busy and the other idle: the worker starts as soon as the tests are
+# collected (conftest.py's pytest_collection_finish calls start_alongside), at the lowest priority (nice 19), so that
+# it takes the idle core's time rather than the tests', and its rows are in by the time this file's tests read them.
+# Run alone, the file starts it at its first test. The worker calls the same measure_error with the same arguments
+# (fixed inputs and seed), so every number is the one this process would have measured: each row is still measured
+# and held to its bound.
+ELSEWHERE = {("triton", dtype, n) for dtype in ("bfloat16", "float16", "float32") for n in (16384, 65536)}
 _pending: dict[tuple[str, str, int], Future] = {}
+_pool: list[ProcessPoolExecutor] = []  # the worker, while it runs
 
 
 @functools.cache
@@ -38,7 +41,8 @@ def errors(backend: str, dtype: str, n: int) -> np.ndarray:
 
 
 def _rows_needed(items) -> list[tuple[str, str, int]]:
-    """The (backend, dtype, n) rows the selected tests of this file read, in the order they first read them."""
+    """The (backend, dtype, n) rows the selected tests of this file read, in the order they first read them, less
+    the rows they skip without a GPU."""
     rows = {}
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
@@ -48,27 +52,50 @@ def _rows_needed(items) -> list[tuple[str, str, int]]:
             rows[params["backend"], params["dtype"], params["n"]] = None
         else:  # test_torch_float32_is_as_precise_as_the_kernels
             rows.update(dict.fromkeys([("torch", "float32", params["n"]), ("triton", "float32", params["n"])]))
+    rows.pop(("triton", "bfloat16", max(SIZES)), None)  # skipped in the interpreter
     return list(rows)
+
+
+def _lowest_priority() -> None:
+    if hasattr(os, "nice"):
+        os.nice(19)
+
+
+def start_alongside(items) -> None:
+    """Without a GPU, start the worker on the ELSEWHERE rows that the selected tests in ``items`` read (none when
+    this file's tests are not selected), once per session."""
+    wanted = [row for row in _rows_needed(items) if row in ELSEWHERE]
+    if torch.cuda.is_available() or not wanted or _pool:
+        return
+    # spawn: a fresh interpreter (forking a process that holds torch's threads can deadlock); it inherits
+    # TRITON_INTERPRET=1 from the environment conftest.py set
+    _pool.append(ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_lowest_priority))
+    for row in wanted:  # in the order the tests read them
+        _pending[row] = _pool[0].submit(measure_error, *row)
+
+
+def stop_alongside() -> None:
+    """Stop the worker: the rows it has not finished are dropped, its process ended (a session that stops early
+    does not wait for it)."""
+    if _pool:
+        pool = _pool.pop()
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+    _pending.clear()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _measure_rows_alongside(request):
-    """Without a GPU, start the worker on the ELSEWHERE rows that the selected tests need (none when run alone with
-    -k on other rows), before the first test of this file; stop it after the last."""
-    wanted = [row for row in _rows_needed(request.session.items) if row in ELSEWHERE]
-    if torch.cuda.is_available() or not wanted:
+    """The worker's rows are read by this file's tests; it stops after the last of them."""
+    start_alongside(request.session.items)
+    try:
         yield
-        return
-    # spawn: a fresh interpreter (forking a process that holds torch's threads can deadlock); it inherits
-    # TRITON_INTERPRET=1 from the environment conftest.py set
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for row in wanted:  # in the order the tests read them
-            _pending[row] = pool.submit(measure_error, *row)
-        try:
-            yield
-        finally:
-            _pending.clear()
-            pool.shutdown(cancel_futures=True)
+    finally:
+        stop_alongside()
 
 
 @pytest.mark.parametrize("n", SIZES)
