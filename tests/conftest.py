@@ -79,7 +79,11 @@ def _fresh_launch_plans():
 
 def pytest_collection_finish(session):
     """Start tests/test_precision.py's second process (its interpreter rows, at the lowest priority) as soon as the
-    tests are collected, so that it runs beside the tests before that file's: see its ELSEWHERE."""
+    tests are collected, so that it runs beside the tests before that file's: see its ELSEWHERE. Not under
+    pytest-xdist, where every worker collects every test and runs only some: there the file's own fixture starts
+    the second process, in the workers that run its tests."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     for item in session.items:
         module = getattr(item, "module", None)
         if module is not None and module.__name__.rpartition(".")[2] == "test_precision":
