@@ -67,13 +67,17 @@ def _linear_time(name: str, fn, seed: int, hint: str) -> None:
     matrix (so the memory check passes) and still does the left product's work."""
     short, long = (random_qkv(1, 1, length, _TIME_D, seed=seed) for length in _TIME_LENGTHS)
     t_short, t_long = _best_seconds(fn, *short, repeat=5), _best_seconds(fn, *long)
-    if t_long > _TIME_FLOOR and t_long / max(t_short, 1e-6) > _TIME_RATIO:
+
+    def quadratic(t_long):
+        return t_long > _TIME_FLOOR and t_long / max(t_short, 1e-6) > _TIME_RATIO
+
+    if quadratic(t_long):
         # One slow call can be the machine's (another process, a pause): a linear answer once took 183 ms at
         # n = 16384 in one call on a 2-core machine, 237 times its time at n = 256. Before calling it quadratic,
         # the best of three more calls (a quadratic answer keeps its ratio in every one of them).
         t_long = min(t_long, _best_seconds(fn, *long, repeat=3, patient=True))
-    ratio = t_long / max(t_short, 1e-6)
-    if t_long > _TIME_FLOOR and ratio > _TIME_RATIO:
+    if quadratic(t_long):
+        ratio = t_long / max(t_short, 1e-6)
         n_short, n_long = _TIME_LENGTHS
         raise ExerciseError(
             f"{name} gives the right numbers in little memory, but its time grows like n^2: {t_short * 1e3:.2g} ms "

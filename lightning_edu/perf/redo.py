@@ -61,10 +61,6 @@ def main(argv=None) -> int:
         _tiles.EXACT_IN_PLACE = in_place
         ops.forget_plans()
 
-    def launches():  # of the forward + backward just recorded
-        return sum(len(p.launches) for p in (*ops._FORWARD_PLANS.values(), *ops._BACKWARD_PLANS.values())
-                   if p is not None)
-
     try:
         for d, t, batch in SHAPES:
             q, k, v, do = inputs(batch, t, d)
@@ -82,7 +78,7 @@ def main(argv=None) -> int:
                 "fwdbwd_ms": lambda: do_bench(fwdbwd, return_mode="median"),
                 "fwdbwd_graph_ms": lambda: do_bench_cudagraph(fwdbwd, return_mode="median"),
                 "user_ms": lambda: do_bench(user, return_mode="median"),
-            }, first=lambda: (fwdbwd(), launches()), rounds=ROUNDS)
+            }, first=lambda: (fwdbwd(), ops.recorded_launches()), rounds=ROUNDS)
             fwd_floor, fb_floor = floors_ms(batch, t, d, record["copy_bandwidth_bytes_per_s"])
             row = {"D": d, "T": t, "batch": batch,
                    "same_bits": all(torch.equal(a, b) for a, b in zip(firsts[False][0], firsts[True][0]))}

@@ -61,7 +61,7 @@ from .la2_fast import (
 )
 
 __all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
-           "compute_dtype", "COMPILE_AHEAD", "ahead_key", "forget_plans"]
+           "compute_dtype", "COMPILE_AHEAD", "ahead_key", "forget_plans", "recorded_launches"]
 
 COMPILE_AHEAD = True
 """Whether the first call of a configuration on a GPU compiles its kernels side by side first (:func:`_first_call`).
@@ -127,6 +127,13 @@ REPLAY = True
 _FORWARD_PLANS: dict = {}   # replay key -> LaunchPlan of forward_impl's launchers, or None (not replayable)
 _BACKWARD_PLANS: dict = {}  # replay key -> LaunchPlan of backward_impl's launchers, or None
 _UNSEEN = object()
+
+
+def recorded_launches() -> int:
+    """The kernel launches in every launch plan recorded so far (calls that cannot be replayed record none): after
+    :func:`forget_plans` and one forward + backward, the launches of that call."""
+    return sum(len(plan.launches) for plan in (*_FORWARD_PLANS.values(), *_BACKWARD_PLANS.values())
+               if plan is not None)
 
 
 def forget_plans() -> None:
