@@ -66,16 +66,15 @@ def main(argv=None) -> int:
         fwd, fwdbwd = backend_calls(q, k, v, do, log2_decay)
         cfg, seg_len, num_seg = ops.launch_plan(q, v, None, False)
         tma = la2_fast._tma(None, q, v)
-        block_dv = la2_fast.value_slices(d, cfg["block_dv"])[0]  # None: the 64-column slices
         local = torch.empty(batch * HEADS, num_seg, d, d, device="cuda", dtype=torch.float32)
-        la2_fast.segment_states(k, v, log2_decay, local, seg_len, cfg["block"], block_dv, cfg["num_warps"],
+        la2_fast.segment_states(k, v, log2_decay, local, seg_len, cfg["block"], cfg["block_dv"], cfg["num_warps"],
                                 cfg["num_stages"])
-        incoming = la2_fast._forward_form(q, k, v, log2_decay, None, False, cfg["block"], block_dv,
+        incoming = la2_fast._forward_form(q, k, v, log2_decay, None, False, cfg["block"], cfg["block_dv"],
                                           cfg["num_warps"], cfg["num_stages"], seg_len, local_states=local,
                                           store_incoming=True)[2]["incoming"]
 
         def main_pass(states=local, given=False):
-            return la2_fast._forward_form(q, k, v, log2_decay, None, False, cfg["block"], block_dv,
+            return la2_fast._forward_form(q, k, v, log2_decay, None, False, cfg["block"], cfg["block_dv"],
                                           cfg["num_warps"], cfg["num_stages"], seg_len,
                                           **({"incoming": states} if given else {"local_states": states}), tma=tma)
 
@@ -95,8 +94,8 @@ def main(argv=None) -> int:
             given = round(do_bench_cudagraph(lambda: main_pass(incoming, True), return_mode="median"), 5)
         fwd_floor, fb_floor = floors_ms(batch, t, d, record["copy_bandwidth_bytes_per_s"])
         ref = outs[False].float()
-        row = {"D": d, "T": t, "batch": batch, "segments": num_seg, "block_dv": block_dv, "tma": tma,
-               "group": la2_fast.incoming_group(d, block_dv),
+        row = {"D": d, "T": t, "batch": batch, "segments": num_seg, "block_dv": cfg["block_dv"], "tma": tma,
+               "group": la2_fast.incoming_group(d, cfg["block_dv"]),
                "rel_diff": float((outs[True].float() - ref).abs().max() / ref.abs().max()),
                "main_given_ms": given, "main_by_bytes": by_bytes}
         for way, name in ((False, "one_at_a_time"), (True, "grouped")):
