@@ -45,7 +45,7 @@ from ._tiles import (
 __all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
            "whole_dv_forward", "whole_dv_plan", "WHOLE_DV", "WHOLE_DV_PER_SM",
            "sliced_forward", "SLICE", "value_slices",
-           "finish_backward", "segment_states", "PREPASS_TAIL_FIRST", "INCOMING_LOAD_BYTES", "incoming_group", "exact_pass", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
+           "finish_backward", "segment_states", "PREPASS_TAIL_FIRST", "exact_pass", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
 
 
 @triton.jit
@@ -130,16 +130,12 @@ def _scaled_block(K, V, blk, n, row_scale, offs_r, offs_k, offs_v, k_ok, v_ok, s
 @triton.jit
 def _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok,
                     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    HAS_S0: tl.constexpr, SEG_IS_INCOMING: tl.constexpr = False, SEG_T: tl.constexpr = False,
-                    GROUP: tl.constexpr = 1):
+                    HAS_S0: tl.constexpr, SEG_IS_INCOMING: tl.constexpr = False, SEG_T: tl.constexpr = False):
     """State at the start of segment ``seg``: lambda^(seg L) S0 + sum_{i<seg} lambda^((seg-1-i) L) S_i (Horner).
     S0 and SEG point at this head's state and segment states.
 
     With SEG_IS_INCOMING, SEG already holds each segment's incoming state (saved by an earlier pass). With SEG_T,
     SEG holds the states transposed, (d_v, d_k) each: another pass's states, read in place of a transposed copy.
-    GROUP: how many segment states are loaded at once (:func:`incoming_group`). One at a time, Horner's rule waits
-    for each load before it asks for the next; in groups of g, the group's states are summed with their weights
-    lambda^((g-1-u) L) (powers at most 1, computed directly) and Horner's rule steps from group to group.
     """
     if SEG_T:  # state_offs holds row * D_V + column; the same entry of a (d_v, d_k) state is column * D_K + row
         seg_offs = (state_offs % D_V) * D_K + state_offs // D_V
@@ -150,19 +146,9 @@ def _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok,
     kv = tl.zeros((PAD_K, BLOCK_DV), dtype=tl.float32)
     if HAS_S0:
         kv = tl.load(S0 + state_offs, mask=state_ok, other=0.0).to(tl.float32)
-    log2_seg = log2_lam * seg_len.to(tl.float32)
-    if GROUP == 1:
-        seg_decay = tl.exp2(log2_seg)
-        for i in range(0, seg):
-            kv = kv * seg_decay + tl.load(SEG + i * D_K * D_V + seg_offs, mask=state_ok, other=0.0)
-    else:
-        for first in range(0, seg, GROUP):
-            g = tl.minimum(seg - first, GROUP)
-            group = tl.zeros((PAD_K, BLOCK_DV), dtype=tl.float32)
-            for u in tl.static_range(GROUP):
-                s = tl.load(SEG + (first + u) * D_K * D_V + seg_offs, mask=state_ok & (u < g), other=0.0)
-                group += tl.exp2(log2_seg * tl.maximum(g - 1 - u, 0).to(tl.float32)) * s  # a load past g is 0
-            kv = kv * tl.exp2(log2_seg * g.to(tl.float32)) + group
+    seg_decay = tl.exp2(log2_lam * seg_len.to(tl.float32))
+    for i in range(0, seg):
+        kv = kv * seg_decay + tl.load(SEG + i * D_K * D_V + seg_offs, mask=state_ok, other=0.0)
     return kv
 
 
@@ -205,8 +191,7 @@ def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh
                      sob, soh, son: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr,
                      BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr,
                      STORE_SN: tl.constexpr, SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr,
-                     PRECISION: tl.constexpr, SAFE: tl.constexpr, CONTIGUOUS: tl.constexpr, SEG_T: tl.constexpr,
-                     INC_GROUP: tl.constexpr):
+                     PRECISION: tl.constexpr, SAFE: tl.constexpr, CONTIGUOUS: tl.constexpr, SEG_T: tl.constexpr):
     log2_lam = tl.load(LOG2_DECAY + bh % H)
     Q += head_offset(bh, H, n, D_K, sqb, sqh, CONTIGUOUS)
     K += head_offset(bh, H, n, D_K, skb, skh, CONTIGUOUS)
@@ -224,7 +209,7 @@ def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh
     state_offs = offs_k[:, None] * D_V + offs_v[None, :]
     state_ok = k_ok[:, None] & v_ok[None, :]
     kv = _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok,
-                         D_K, D_V, PAD_K, BLOCK_DV, HAS_S0, SEG_IS_INCOMING, SEG_T, INC_GROUP)
+                         D_K, D_V, PAD_K, BLOCK_DV, HAS_S0, SEG_IS_INCOMING, SEG_T)
     if STORE_INC:
         tl.store(INC + seg * D_K * D_V + state_offs, kv, mask=state_ok)
     mask = decay_tile(log2_lam, offs_r, offs_r, SAFE)  # M: lambda^(r-s) on and below the diagonal
@@ -247,7 +232,7 @@ def _la2_fast_forward_kernel(
     BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr, STORE_SN: tl.constexpr,
     SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr, PRECISION: tl.constexpr,
     SAFE: tl.constexpr = False, SCAN: tl.constexpr = 16, CONTIGUOUS: tl.constexpr = False, SEG_T: tl.constexpr = False,
-    REDO: tl.constexpr = False, INC_GROUP: tl.constexpr = 1,
+    REDO: tl.constexpr = False,
 ):
     """Algorithm 1 over one segment. Grid (batch*heads, num_segments, cdiv(d_v, BLOCK_DV)).
 
@@ -276,7 +261,7 @@ def _la2_fast_forward_kernel(
                                  i // slices % num_seg, i % slices, num_seg, sqb, sqh, sqn, skb, skh, skn,
                                  svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K, BLOCK_DV, BLOCK,
                                  REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC, PRECISION, True, CONTIGUOUS,
-                                 SEG_T, INC_GROUP)
+                                 SEG_T)
     else:
         bh = tl.program_id(0)
         seg = tl.program_id(1)
@@ -286,14 +271,14 @@ def _la2_fast_forward_kernel(
         kv = _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
                               sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K,
                               BLOCK_DV, BLOCK, REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC,
-                              PRECISION, False, CONTIGUOUS, SEG_T, INC_GROUP)
+                              PRECISION, False, CONTIGUOUS, SEG_T)
         flag_nonfinite(flag, kv)  # a non-finite K or V entry always leaves the state non-finite (0 * NaN = NaN)
         if REDO:  # the exact pass of this program, here (_tiles.EXACT_IN_PLACE); its states stand
             if flagged_here(flag):
                 _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
                                  sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K,
                                  BLOCK_DV, BLOCK, REVERSE, HAS_S0, False, SEG_IS_INCOMING, False,
-                                 PRECISION, True, CONTIGUOUS, SEG_T, INC_GROUP)
+                                 PRECISION, True, CONTIGUOUS, SEG_T)
 
 
 @triton.jit
@@ -565,17 +550,6 @@ def whole_dv_plan(q, block: int) -> tuple[dict, int, int]:
     return dict(WHOLE_DV), num_seg, seg_len
 
 
-INCOMING_LOAD_BYTES = 65536
-"""How many bytes of segment states the main pass of a forward loads at once to build its incoming state
-(:func:`incoming_group`); 0 loads them one at a time."""
-
-
-def incoming_group(pad_k: int, block_dv: int) -> int:
-    """How many segment states (``pad_k`` x ``block_dv`` float32 each) a forward's program loads at once to start its
-    segment (``_incoming_state``'s GROUP): as many as fit in :data:`INCOMING_LOAD_BYTES`, at least one."""
-    return max(1, INCOMING_LOAD_BYTES // (4 * pad_k * block_dv))
-
-
 PREPASS_TAIL_FIRST = False
 """Whether the segment pre-pass sums each segment from its end back to its start (``_local_state``'s TAIL_FIRST;
 bfloat16 and float32 keys only). The main pass reads each segment from its start, so summed from its end the rows
@@ -648,8 +622,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
                                        short_blocks(q.device))
     o = output_like(v) if out is None else out  # for a view of a (batch, n, heads, d) projection: that layout
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32) if final_state else None
-    meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=dot_precision(q),
-                INC_GROUP=incoming_group(pad_k, block_dv))
+    meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=dot_precision(q))
     seg = incoming if incoming is not None else local_states
     if seg is None:
         seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)

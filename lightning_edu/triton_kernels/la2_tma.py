@@ -48,7 +48,7 @@ def _tma_forward_kernel(
     q_desc, k_desc, v_desc, o_desc, S0, SN, SEG, INC, FLAG, LOG2_DECAY, n, H, seg_len,
     D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
     HAS_S0: tl.constexpr, STORE_SN: tl.constexpr, SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr,
-    PRECISION: tl.constexpr, SEG_T: tl.constexpr, INC_GROUP: tl.constexpr = 1,
+    PRECISION: tl.constexpr, SEG_T: tl.constexpr,
 ):
     """Algorithm 1 over one segment, tiles through descriptors. Grid (batch*heads, num_segments, slices of d_v).
 
@@ -78,7 +78,7 @@ def _tma_forward_kernel(
     state_offs = offs_k[:, None] * D_V + offs_v[None, :]
     state_ok = (offs_k < D_K)[:, None] & (offs_v < D_V)[None, :]
     kv = _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok, D_K, D_V, PAD_K, BLOCK_DV, HAS_S0,
-                         SEG_IS_INCOMING, SEG_T, INC_GROUP)
+                         SEG_IS_INCOMING, SEG_T)
     if STORE_INC:
         tl.store(INC + seg * D_K * D_V + state_offs, kv, mask=state_ok)
     mask = decay_tile(log2_lam, offs_r, offs_r, False)
@@ -189,7 +189,7 @@ def _tma_fast_pass(grid, args, meta):
         raise ValueError("la2_tma: descriptor tiles run the passes in time order only, got REVERSE=True")
     q, k, v, o, s0, sn, seg, inc, flags, log2_decay, n, heads, seg_len = args[:13]
     names = ("D_K", "D_V", "PAD_K", "BLOCK_DV", "BLOCK", "HAS_S0", "STORE_SN", "SEG_IS_INCOMING", "STORE_INC",
-             "PRECISION", "SEG_T", "INC_GROUP", "num_warps", "num_stages")
+             "PRECISION", "SEG_T", "num_warps", "num_stages")
     launch(_tma_forward_kernel, grid)(
         descriptor(q, meta["BLOCK"], meta["PAD_K"]), descriptor(k, meta["BLOCK"], meta["PAD_K"]),
         descriptor(v, meta["BLOCK"], meta["BLOCK_DV"]), descriptor(o, meta["BLOCK"], meta["BLOCK_DV"]), s0, sn,
