@@ -80,7 +80,7 @@ def test_tma_measurement_refuses_bad_command_lines(capsys):
     assert "python -m lightning_edu.perf.tma OUT.json" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["segments", "prepass", "redo"])
+@pytest.mark.parametrize("name", ["segments", "prepass", "redo", "slices"])
 def test_segment_measurements_refuse_bad_command_lines(capsys, name):
     module = importlib.import_module(f"lightning_edu.perf.{name}")
 

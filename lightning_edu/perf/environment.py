@@ -2,7 +2,7 @@
 
 Every file recorded with this module carries such a record, so a reader can tell which machine, which versions
 and which commit of this book produced each number; the older H200 files (bench_h200_*, tune_h200, torch_sweep_h200,
-gpu_tests_h200) name no commit. The GPU driver version comes from NVML
+and the first run kept in gpu_tests_h200) name no commit. The GPU driver version comes from NVML
 (``nvidia-ml-py``) where it is installed, else it is left unnamed rather than guessed.
 """
 

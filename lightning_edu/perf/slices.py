@@ -1,7 +1,7 @@
 """Slices against segments: the forward with no backward to follow over how d_v is cut and how the sequence is
 cut, on a GPU. (Chapter 07.)
 
-    python -m lightning_edu.perf.slices OUT.json [--T 32768 ...] [--D 64 128]
+    python -m lightning_edu.perf.slices OUT.json [--T 32768 ...] [--D 64 128] [--segments 2 4 8 16] [--budget-s 400]
 
 bf16, 16 heads, B = max(1, 32768 / T) sequences of T tokens, the benchmark's per-head decays. Both ways of making
 programs for the chip cost bytes. A segment makes the pre-pass read K and V of every segment but the last a second
@@ -48,7 +48,7 @@ def variants(d: int) -> list[dict]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.slices")
+    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.slices", add_help=False)
     parser.add_argument("out")
     parser.add_argument("--T", type=int, nargs="+", default=[32768])
     parser.add_argument("--D", type=int, nargs="+", default=[64, 128])
@@ -57,7 +57,13 @@ def main(argv=None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
-    args = parser.parse_args(argv)
+    try:
+        args, rest = parser.parse_known_args(argv)
+    except SystemExit:  # no OUT.json (argparse has said why)
+        args, rest = None, []
+    if args is None or rest or args.out.startswith("-"):
+        print(__doc__)
+        return 2
     record = gpu_record([args.out], __doc__, "slices", heads=HEADS, dtype="bfloat16",
                         timer="triton.testing.do_bench_cudagraph, median", results=[])
     if isinstance(record, int):
