@@ -15,7 +15,8 @@ slicing is its own: it writes whole states). Each time is the GPU's alone: the m
 ``triton.testing.do_bench`` (L2 emptied before every run, host launches included, as the benchmark times).
 ``prepass_ms``: the pre-pass alone, for each segment count and ``pre_dv``. ``floor_frac``: the 4-tensor HBM floor at
 the measured copy bandwidth over the time. ``rel_diff``: the largest difference from the backend's output, relative
-to its largest entry. One JSON record with the machine, versions and commit.
+to its largest entry. One JSON record with the machine, versions and commit, saved after every shape;
+``--budget-s``: no shape is started after that many seconds (a shape started finishes).
 """
 
 from __future__ import annotations
