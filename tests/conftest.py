@@ -53,6 +53,8 @@ def pytest_collection_modifyitems(config, items):
     run them first, so that under ``pytest -n N --dist loadgroup`` the longest work starts at once rather than last.
     The sort is stable: every other test keeps its order."""
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the course pipeline's readers last: see pytest_collection_finish
+        items.sort(key=lambda item: "pipeline" in getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture(autouse=True)
@@ -78,17 +80,22 @@ def _fresh_launch_plans():
 
 
 def pytest_collection_finish(session):
-    """Start tests/test_precision.py's second process (its interpreter rows, at the lowest priority) as soon as the
-    tests are collected, so that it runs beside the tests before that file's: see its ELSEWHERE. Not under
+    """Start tests/test_precision.py's second process (its interpreter rows, at the lowest priority), and
+    tests/test_assignments.py's course pipeline, as soon as the tests are collected, so that each runs beside the
+    tests before the ones that read it: see test_precision's ELSEWHERE and start_pipeline_alongside. Not under
     pytest-xdist, where every worker collects every test and runs only some: there the file's own fixture starts
-    the second process, in the workers that run its tests."""
+    the second process, in the workers that run its tests (and the pipeline's fixture runs the pipeline itself)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    for item in session.items:
-        module = getattr(item, "module", None)
-        if module is not None and module.__name__.rpartition(".")[2] == "test_precision":
+    modules = {getattr(item, "module", None) for item in session.items}
+    for module in modules - {None}:
+        name = module.__name__.rpartition(".")[2]
+        if name == "test_precision":
             module.start_alongside(session.items)
-            return
+        elif name == "test_assignments":
+            # tests/test_assignments.py's course pipeline (nbgrader: about three minutes of two cores) on a thread
+            # from here, its tests moved last (pytest_collection_modifyitems): it runs beside everything else
+            module.start_pipeline_alongside(session.items, session.config._tmp_path_factory.mktemp("course"))
 
 
 def pytest_sessionfinish(session):

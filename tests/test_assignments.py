@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -254,11 +256,12 @@ PIPELINE_CHAPTERS = {"ch03": "03_decay.ipynb", "ch04": "04_intra_inter_blocks.ip
 STUDENTS = ("correct", "blank", "slips-a", "slips-b")
 
 
-def _nbgrader(course: Path, *args: str) -> subprocess.Popen:
+def _nbgrader_at(course: Path, *args: str, lowest_priority: bool = False) -> subprocess.Popen:
     # nbgrader runs `alembic` from PATH to set up its gradebook: the interpreter's bin folder goes first, as an
-    # activated virtual environment would have it.
+    # activated virtual environment would have it. lowest_priority: the command and its kernels run at nice 19.
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    return subprocess.Popen([sys.executable, "-m", "nbgrader", *args], cwd=course, stdout=subprocess.PIPE,
+    nice = ["nice", "-n", "19"] if lowest_priority and shutil.which("nice") else []  # not preexec_fn: threads
+    return subprocess.Popen([*nice, sys.executable, "-m", "nbgrader", *args], cwd=course, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
 
 
@@ -303,12 +306,16 @@ def _answered(release_nb, source_nb, slips: dict[str, str]):
     return nb
 
 
-def _grade_one_assignment(course: Path, assignment: str, name: str) -> tuple:
+def _grade_one_assignment(course: Path, assignment: str, name: str, lowest_priority: bool = False) -> tuple:
     """One assignment from release to feedback, the commands an instructor runs for it: generate_assignment, four
     submissions written, autograde, generate_feedback, all with the assignment's own gradebook. Returns its release
     and source notebooks."""
     db = f"--db=sqlite:///{course / f'gradebook-{assignment}.db'}"
-    _finish(_nbgrader(course, "generate_assignment", assignment, "--force", db), f"generate_assignment {assignment}")
+
+    def _nbgrader(*args):
+        return _nbgrader_at(course, *args, lowest_priority=lowest_priority)
+
+    _finish(_nbgrader("generate_assignment", assignment, "--force", db), f"generate_assignment {assignment}")
     release, source = read(course / "release" / assignment / name), read(course / "source" / assignment / name)
     for student in STUDENTS:
         if student == "correct":
@@ -321,22 +328,22 @@ def _grade_one_assignment(course: Path, assignment: str, name: str) -> tuple:
         target = course / "submitted" / student / assignment / name
         target.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, str(target))
-    _finish(_nbgrader(course, "autograde", assignment, db, *_kernel_options(course, assignment)),
-            f"autograde {assignment}")
-    _finish(_nbgrader(course, "generate_feedback", assignment, db), f"generate_feedback {assignment}")
+    _finish(_nbgrader("autograde", assignment, db, *_kernel_options(course, assignment)), f"autograde {assignment}")
+    _finish(_nbgrader("generate_feedback", assignment, db), f"generate_feedback {assignment}")
     return release, source
 
 
-def run_pipeline(course: Path) -> dict:
+def run_pipeline(course: Path, lowest_priority: bool = False) -> dict:
     """Lay out a course of chapters 03 and 04 in ``course``, release them, autograde four students and write
-    their feedback. Returns the releases, scores {(assignment, student): {grade_id: score}} and feedback HTML."""
+    their feedback. Returns the releases, scores {(assignment, student): {grade_id: score}} and feedback HTML.
+    ``lowest_priority``: every nbgrader command (and its kernels) at nice 19, for a run beside other tests."""
     layout_course(course, ["03", "04"])
     # Each assignment has a gradebook and a kernel socket folder of its own, and writes only under its own folders
     # (release/chNN, submitted/*/chNN, ...): the two assignments share nothing, so they go through the pipeline side
     # by side, one thread each (the machine has two cores; one chain of nbgrader commands keeps about one busy).
     # Each thread runs the same commands, in the same order, as an instructor grading that assignment alone.
     with ThreadPoolExecutor(max_workers=len(PIPELINE_CHAPTERS)) as pool:
-        running = {assignment: pool.submit(_grade_one_assignment, course, assignment, name)
+        running = {assignment: pool.submit(_grade_one_assignment, course, assignment, name, lowest_priority)
                    for assignment, name in PIPELINE_CHAPTERS.items()}
         done = {assignment: future.result() for assignment, future in running.items()}  # a failure re-raises here
     releases = {assignment: release for assignment, (release, _) in done.items()}
@@ -355,10 +362,39 @@ def run_pipeline(course: Path) -> dict:
     return {"releases": releases, "sources": sources, "scores": scores, "feedback": feedback}
 
 
+_ALONGSIDE: list[Future] = []  # the pipeline started beside the other tests (conftest.py), once per session
+
+
+def start_pipeline_alongside(items, course: Path) -> None:
+    """When the selected tests in ``items`` use the pipeline and nbgrader is installed, start :func:`run_pipeline`
+    in ``course`` on a thread of its own, its nbgrader commands at the lowest priority, so that it runs beside the
+    tests before the ones that read it (conftest.py puts those last). The thread only waits on nbgrader's
+    processes, which do the work: it holds no core of this process. Once per session."""
+    if _ALONGSIDE or not any("pipeline" in getattr(item, "fixturenames", ()) for item in items):
+        return
+    try:
+        import nbgrader  # noqa: F401
+    except ImportError:
+        return
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(run_pipeline(course, lowest_priority=True))
+        except BaseException as exc:  # noqa: BLE001 - pytest.fail's Failed too: the fixture re-raises it
+            future.set_exception(exc)
+
+    _ALONGSIDE.append(future)
+    # a daemon: a session that stops early does not wait for it
+    threading.Thread(target=run, name="course pipeline", daemon=True).start()
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     pytest.importorskip("nbgrader", reason="nbgrader is not installed: the course pipeline needs it "
                                            "(pip install -e '.[course]')")
+    if _ALONGSIDE:
+        return _ALONGSIDE[0].result()
     return run_pipeline(tmp_path_factory.mktemp("course"))
 
 
