@@ -1,4 +1,5 @@
 import contextlib
+import json
 import os
 import sys
 
@@ -48,11 +49,39 @@ def torch_threads():
     return _torch_threads
 
 
+GPU_RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks", "data",
+                          "gpu_check_h200.json")
+
+
+def _recorded_gpu_seconds() -> dict:
+    """Each GPU case's seconds in the last GPU check (.ci/gpu-check's record), by node id; empty without one."""
+    try:
+        with open(GPU_RECORD) as f:
+            return json.load(f)["steps"]["tests"]["durations_s"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Cases that share a worker (``xdist_group``, tests/kernel_cases.py) are the GPU cases that compile the most;
-    run them first, so that under ``pytest -n N --dist loadgroup`` the longest work starts at once rather than last.
-    The sort is stable: every other test keeps its order."""
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+    """On a machine with CUDA, the longest work first: under ``pytest -n N --dist loadgroup`` workers take tests in
+    this order, and a long case taken last keeps the whole run waiting for it. The order is by the seconds each case
+    took in the last GPU check (a group of cases that share a worker, ``xdist_group`` in tests/kernel_cases.py, by
+    their sum; a case not in the record as a middling one). Without CUDA, the groups first and every other test in
+    its order. The sorts are stable."""
+    seconds = _recorded_gpu_seconds() if _has_cuda else {}
+
+    def group(item):
+        marker = item.get_closest_marker("xdist_group")
+        return marker.args[0] if marker is not None else None
+
+    if seconds:
+        own = {item.nodeid: seconds.get(item.nodeid.split("@")[0], 5.0) for item in items}
+        totals = {}
+        for item in items:
+            totals[group(item)] = totals.get(group(item), 0.0) + own[item.nodeid]
+        items.sort(key=lambda item: -(totals[group(item)] if group(item) is not None else own[item.nodeid]))
+    else:
+        items.sort(key=lambda item: group(item) is None)
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # the course pipeline's readers last: see pytest_collection_finish
         items.sort(key=lambda item: "pipeline" in getattr(item, "fixturenames", ()))
 
