@@ -10,7 +10,7 @@ says when. Two steps, each a pytest run in a process of its own:
    is checked is that every cell runs and every assertion in it holds.
 
 The record, ``notebooks/data/gpu_check_<gpu>.json`` (``--out`` changes the folder), holds the machine, the
-versions, the commit, each step's command, counts, wall time and failures, and the earlier runs of the same
+versions, the commit, under ``results`` each step's command, counts, wall time and failures, and the earlier runs of the same
 file under ``earlier_runs``. Exit status: 0 when both steps pass, 1 when a test or a cell fails, 2 when the
 check cannot start (no CUDA, no nbval: one line says which).
 """
@@ -207,13 +207,14 @@ def main(argv=None) -> int:
                                                     "no:cacheprovider", "--nbval-cell-timeout", "900", "notebooks",
                                                     *extra], nb_env, scratch)
     record["wall_s"] = round(time.monotonic() - started, 1)
-    record["steps"] = steps
+    record["results"] = steps
     record["passed"] = all(s["exit_status"] == 0 for s in steps.values())
     slug = re.sub(r"[^a-z0-9]+", "_", record["machine"].lower().replace("nvidia", "")).strip("_").split("_")[0]
     path = out_dir / f"gpu_check_{slug}.json"
-    if path.exists():
+    previous = path if path.exists() else ROOT / "notebooks" / "data" / path.name  # the committed record
+    if previous.exists():
         try:
-            earlier = json.loads(path.read_text())
+            earlier = json.loads(previous.read_text())
         except ValueError:
             earlier = None
         if earlier:

@@ -57,7 +57,7 @@ def _recorded_gpu_seconds() -> dict:
     """Each GPU case's seconds in the last GPU check (.ci/gpu-check's record), by node id; empty without one."""
     try:
         with open(GPU_RECORD) as f:
-            return json.load(f)["steps"]["tests"]["durations_s"]
+            return json.load(f)["results"]["tests"]["durations_s"]
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 
