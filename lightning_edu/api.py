@@ -60,8 +60,9 @@ def lightning_attention(
 
     A packed batch of sequences of different lengths (chapter 10): q, k, v of shape (1, heads, total, d) hold
     them end to end and ``cu_seqlens`` (a list, numpy array or CPU tensor of num_seqs + 1 integers starting at
-    0, never decreasing, ending at total) marks where each starts; initial_state and the returned state are
-    then (num_seqs, heads, d_k, d_v). Each sequence starts from its own state: nothing crosses a boundary.
+    0, never decreasing, ending at total; under :func:`torch.compile` a list of Python ints) marks where each
+    starts; initial_state and the returned state are then (num_seqs, heads, d_k, d_v). Each sequence starts from
+    its own state: nothing crosses a boundary.
 
     A learnable decay (chapter 06): on the torch and triton backends decay may be a tensor of per-head lambdas
     that requires grad; autograd then gives dL/dlambda with the other gradients. A decay tensor on a GPU is
@@ -113,8 +114,10 @@ def lightning_attention_backward(
     otherwise), and ``cu_seqlens`` too (a packed batch: d_final_state and d_initial_state are then per sequence).
 
     Unsupported: everything :func:`lightning_attention` refuses, ``do=None`` (a TypeError: the backward needs
-    dL/do), and a decay tensor that requires grad (a TypeError: this function returns no dL/dlambda; call
-    :func:`lightning_attention` and let autograd give it).
+    dL/do), a decay tensor that requires grad (a TypeError: this function returns no dL/dlambda; call
+    :func:`lightning_attention` and let autograd give it), and, while grad mode is on, any other tensor argument
+    that requires grad (a TypeError: the gradients returned carry no graph, there is no second derivative; pass
+    it detached, or call under ``torch.no_grad()``).
     """
     args = validate_attention_args(
         q, k, v, decay, backend=backend, block_size=block_size, initial_state=initial_state, do=do,
@@ -151,10 +154,15 @@ def lightning_attention_step(q, k, v, state=None, decay=1.0, *, backend: str = "
     generation); it is plain tensor ops, differentiable with autograd. "triton" returns o in v's dtype and
     new_state in float32 (off CUDA, bfloat16 inputs are computed in float32, as for lightning_attention).
 
+    Gradients: on "torch" and "triton" autograd gives dL/dq, dk, dv, dstate and, for a decay tensor that
+    requires grad, dL/dlambda (also under ``torch.compile``); "triton" computes them in float32 torch ops from
+    the kernel's output (the custom op ``lightning_edu::decode_step``), and with nothing requiring grad it is the
+    kernel's one launch alone.
+
     Unsupported, each refused with a TypeError or ValueError that names the argument: q, k or v with a
     sequence axis (4-D: drop it, or call :func:`lightning_attention` for a whole sequence); everything
     :func:`lightning_attention` refuses for its backend and dtypes (mixed numpy and torch, non-float dtypes,
-    "triton" with float64 or d_k or d_v > 256, a decay outside (0, 1], one that requires grad except on "torch").
+    "triton" with float64 or d_k or d_v > 256, a decay outside (0, 1], one that requires grad on "numpy").
     """
     args = validate_step_args(q, k, v, state, decay, backend)
     return registry.backend_for(args.backend, op="step").forward(args)
@@ -234,7 +242,8 @@ def normalized_attention_step(q, k, v, state=None, decay=1.0, *, feature_map="el
     ``new_state = lambda state + phi(k)^T [v | 1]`` and ``o = phi(q) S_new / (phi(q) . z_new + eps)``: a
     prefill with ``return_state=True`` followed by one step per token gives the outputs of one call.
     Runs :func:`lightning_attention_step` on phi(q), phi(k), [v | 1]; arguments are checked as there and
-    as in :func:`normalized_attention`.
+    as in :func:`normalized_attention`. On "torch" and "triton" autograd flows through the division, the feature
+    map (a module's parameters too) and the step to q, k, v, the state and a decay tensor that requires grad.
     """
     args, feature_map, eps, _ = validate_normalized_args(q, k, v, decay, feature_map, eps, backend, False,
                                                          step=True)

@@ -18,7 +18,11 @@ Commands (``python -m lightning_edu.assignments ...``)::
 
 ``course`` never overwrites a file that exists in DIR (students' work included); in the students' copy it
 leaves out the cells that display the source of a package function an exercise asks the reader to write
-(:func:`student_source`). INSTRUCTORS.md walks through a whole course.
+(:func:`student_source`). A command refused (points that are not a number >= 0 or name an exercise none of the
+chapters given has, a chapter that is not in the book, a missing or unreadable notebook, a course folder that is a
+file, a file system that refuses the writes) prints one line naming the problem and exits with status 2, having
+changed nothing: every notebook is read and normalised before the first write, and a write that fails takes back
+the others. INSTRUCTORS.md walks through a whole course.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import ast
 import copy
 import importlib
 import inspect
+import math
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -500,7 +506,7 @@ def _chapter_paths(root: Path, specs) -> list[Path]:
     for spec in specs:
         key = f"{int(spec):02d}" if str(spec).isdigit() else str(spec)[:2]
         if key not in known:
-            raise SystemExit(f"no chapter {spec!r} in book.toml (chapters: {', '.join(sorted(known))})")
+            raise ValueError(f"no chapter {spec!r} in book.toml (chapters: {', '.join(sorted(known))})")
         paths.append(known[key])
     return paths
 
@@ -508,52 +514,149 @@ def _chapter_paths(root: Path, specs) -> list[Path]:
 def layout_course(course: Path, chapters, *, points: dict[str, float] | None = None, root: Path | None = None) -> dict:
     """Lay out ``course/source/chNN/NN_x.ipynb`` for each chapter (numbers, e.g. ["04", "05"]) and
     ``course/nbgrader_config.py``; a file that exists is never overwritten. Returns {"written": [...], "kept": [...]}.
+
+    All or nothing: every chapter is read and normalised, and ``points`` checked against them (each exercise
+    named must be one of theirs), before anything is written, and a write that fails (a read-only file system)
+    takes back the files and folders this call made. A refused call (ValueError, :class:`NotNormalisable`, or
+    the OSError of the write) leaves the course folder as it was, or absent.
     """
     from .book import repo_root
 
     course = Path(course)
     root = Path(root) if root else repo_root()
-    result = {"written": [], "kept": []}
-    config = course / "nbgrader_config.py"
-    _write_new(config, CONFIG_TEMPLATE, result)
-    for path in _chapter_paths(root, chapters):
-        target = course / "source" / f"ch{path.name[:2]}" / path.name
-        nb = student_source(normalise(_read(path), _points_for(points, path)))
-        _write_new(target, nbformat.writes(nb) + "\n", result)
-    return result
+    _check_folder(course)
+    paths = _chapter_paths(root, chapters)
+    _points_name_these_chapters(points, paths)
+    files = [(course / "nbgrader_config.py", CONFIG_TEMPLATE)]
+    for path in paths:
+        try:
+            nb = student_source(normalise(_read_notebook(path), _points_for(points, path)))
+        except NotNormalisable as exc:
+            raise NotNormalisable(f"{path.name}: {exc}") from None
+        files.append((course / "source" / f"ch{path.name[:2]}" / path.name, nbformat.writes(nb) + "\n"))
+    return _write_all_new(files)
+
+
+def _check_folder(course: Path) -> None:
+    """``course`` and every folder above it that exists must be folders (mkdir would fail half way)."""
+    for folder in (course, *course.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                what = "the course folder" if folder == course else f"a folder above the course folder {course}"
+                raise ValueError(f"{folder} is a file, not a folder: it cannot be {what}")
+            return
+
+
+def _read_notebook(path: Path):
+    """A notebook, or a ValueError that names it and the problem (missing, a folder, not JSON, not a notebook)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such notebook")
+    if path.is_dir():
+        raise ValueError(f"{path}: a folder, not a notebook")
+    try:
+        return _read(path)
+    except nbformat.reader.NotJSONError:
+        raise ValueError(f"{path}: not a notebook (its text is not JSON)") from None
+    except (nbformat.ValidationError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a valid notebook ({_one_line(exc)})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a notebook (its bytes are not UTF-8 text)") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _points_for(points, path: Path):
-    if not points:
+    if not points or not path.name[:2].isdigit():
         return None
     prefix = f"{int(path.name[:2])}."
     return {k: v for k, v in points.items() if k.startswith(prefix)} or None
 
 
-def _write_new(path: Path, text: str, result: dict) -> None:
-    if path.exists():
-        result["kept"].append(path)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "x", encoding="utf-8") as f:  # "x": fails rather than overwrite, even in a race
-        f.write(text)
-    result["written"].append(path)
+def _points_name_these_chapters(points, paths) -> None:
+    """Each exercise ``points`` names must belong to one of the notebooks (chapter NN from the name NN_x.ipynb):
+    points for a chapter not given would be dropped without a word."""
+    chapters = {int(p.name[:2]) for p in map(Path, paths) if p.name[:2].isdigit()}
+    stray = sorted((k for k in (points or {}) if int(k.split(".")[0]) not in chapters), key=_exercise_order)
+    if stray:
+        given = ", ".join(f"{c:02d}" for c in sorted(chapters)) or "none"
+        raise ValueError(f"--points names {', '.join(stray)}, not an exercise of the chapters given ({given})")
+
+
+def _exercise_order(number: str) -> tuple[int, int]:
+    chapter, k = number.split(".")
+    return int(chapter), int(k)
+
+
+def _write_all_new(files) -> dict:
+    """Write each (path, text) whose path does not exist; on an OSError remove what was written and the folders
+    made for it, then raise it again."""
+    result = {"written": [], "kept": []}
+    made: list[Path] = []
+    try:
+        for path, text in files:
+            if path.exists():
+                result["kept"].append(path)
+                continue
+            missing = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
+            for folder in reversed(missing):  # the outermost first
+                folder.mkdir()
+                made.append(folder)
+            with open(path, "x", encoding="utf-8") as f:  # "x": fails rather than overwrite, even in a race
+                result["written"].append(path)
+                f.write(text)
+    except OSError:
+        for path in reversed(result["written"]):
+            path.unlink(missing_ok=True)
+        for folder in reversed(made):  # the innermost first
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+        raise
+    return result
 
 
 # ------------------------------------------------------------------------------------------- command line
 
 
 def _parse_points(items) -> dict[str, float]:
+    """{"4.3": 2} from ["4.3=2"]; a ValueError names an item that is not N.k=P with P a finite number >= 0, and an
+    exercise named twice."""
     points = {}
     for item in items or ():
         number, _, value = item.partition("=")
         if not re.fullmatch(r"\d+\.\d+", number) or not value:
-            raise SystemExit(f"--points takes N.k=P, e.g. 4.3=2; got {item!r}")
-        points[number] = float(value) if "." in value else int(value)
+            raise ValueError(f"--points takes N.k=P, e.g. 4.3=2; got {item!r}")
+        try:
+            parsed = float(value) if re.search(r"[.eEnN]", value) else int(value)
+        except ValueError:
+            raise ValueError(f"--points takes N.k=P with P a number, e.g. 4.3=2; got {item!r}") from None
+        if not math.isfinite(parsed) or parsed < 0:
+            raise ValueError(f"--points: the points of an exercise must be a finite number >= 0, got {item!r}")
+        if number in points:
+            raise ValueError(f"--points names exercise {number} twice")
+        points[number] = parsed
     return points
 
 
+def _fail(message: str) -> int:
+    """The one line a refused command prints (to stderr); its exit status."""
+    print(f"python -m lightning_edu.assignments: {message}", file=sys.stderr)
+    return 2
+
+
+def _os_problem(exc: OSError) -> str:
+    where = f" {exc.filename}" if exc.filename else ""
+    return f"cannot write{where}: {exc.strerror or _one_line(exc)}"
+
+
 def main(argv=None) -> int:
+    """The command line (the module docstring). A refused command prints one line naming the problem and returns 2,
+    having written nothing (``normalise`` writes no notebook unless every one given can be normalised)."""
     parser = argparse.ArgumentParser(prog="python -m lightning_edu.assignments", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("normalise", help="give chapters nbgrader's cell metadata and hidden tests (in place)")
@@ -568,24 +671,20 @@ def main(argv=None) -> int:
     p.add_argument("notebooks", nargs="*")
     sub.add_parser("config", help="print the nbgrader_config.py a course uses")
     args = parser.parse_args(argv)
+    try:
+        return _command(args)
+    except BrokenPipeError:  # the reader of the output went away (`... points | head`): nothing to report
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python flushes stdout again at exit
+        return 1
+    except OSError as exc:
+        return _fail(_os_problem(exc))
+    except ValueError as exc:  # NotNormalisable included
+        return _fail(_one_line(exc))
 
+
+def _command(args) -> int:
     if args.command == "normalise":
-        points, status = _parse_points(args.points), 0
-        for name in args.notebooks:
-            path = Path(name)
-            try:
-                changes = normalise_file(path, _points_for(points, path), check=args.check)
-            except NotNormalisable as exc:
-                print(f"{path}: not normalisable: {exc}", file=sys.stderr)
-                status = 2
-                continue
-            if changes:
-                verb = "would change" if args.check else "normalised (re-execute it to refresh its outputs)"
-                print(f"{path}: {verb}: " + "; ".join(changes[:3]) + (" ..." if len(changes) > 3 else ""))
-                status = max(status, 1 if args.check else 0)
-            else:
-                print(f"{path}: already normalised")
-        return status
+        return _normalise_command(args)
     if args.command == "course":
         result = layout_course(Path(args.dir), args.chapters, points=_parse_points(args.points))
         for path in result["written"]:
@@ -598,10 +697,63 @@ def main(argv=None) -> int:
         from .book import chapters, repo_root
 
         paths = args.notebooks or [c.path for c in chapters(repo_root())]
+        for path in paths:
+            try:
+                exercises(_read_notebook(path))
+            except NotNormalisable as exc:
+                raise ValueError(f"{path}: {exc}") from None
         print(points_table(paths))
         return 0
     print(CONFIG_TEMPLATE, end="")
     return 0
+
+
+def _normalise_command(args) -> int:
+    points = _parse_points(args.points)
+    paths = [Path(name) for name in args.notebooks]
+    _points_name_these_chapters(points, paths)
+    planned, refused = [], []
+    for path in paths:  # every notebook read and normalised before any is written
+        nb = _read_notebook(path)
+        try:
+            want = normalise(nb, _points_for(points, path))
+        except NotNormalisable as exc:
+            refused.append(f"{path}: not normalisable: {_one_line(exc)}")
+            continue
+        planned.append((path, want, _differences(nb, want)))
+    if refused:
+        for line in refused:
+            _fail(line)
+        return 2
+    if not args.check:
+        _rewrite_all([(path, want) for path, want, changes in planned if changes])
+    status = 0
+    for path, _, changes in planned:
+        if changes:
+            verb = "would change" if args.check else "normalised (re-execute it to refresh its outputs)"
+            print(f"{path}: {verb}: " + "; ".join(changes[:3]) + (" ..." if len(changes) > 3 else ""))
+            status = max(status, 1 if args.check else 0)
+        else:
+            print(f"{path}: already normalised")
+    return status
+
+
+def _rewrite_all(notebooks) -> None:
+    """Write each (path, notebook) in place; on an OSError put back the bytes of those already written (and of
+    the one that failed), then raise it again."""
+    written: list[tuple[Path, bytes]] = []
+    for path, nb in notebooks:
+        before = path.read_bytes()
+        try:
+            _write(nb, path)
+        except OSError:
+            for done, text in [*written, (path, before)]:
+                try:
+                    done.write_bytes(text)
+                except OSError:
+                    pass
+            raise
+        written.append((path, before))
 
 
 if __name__ == "__main__":

@@ -45,11 +45,15 @@ the usual convention of data and sequence parallelism. Every rank must take part
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import os
+import pickle
+import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -237,10 +241,11 @@ class _GatherStates(torch.autograd.Function):
 def _reduce_scatter(group, *grads: torch.Tensor) -> torch.Tensor:
     """This rank's gradient summed over all ranks: _GatherStates' backward."""
     grads = [g.contiguous() for g in grads]
-    if grads[0].device.type == "cpu":  # gloo
-        received = [torch.empty_like(g) for g in grads]
-        dist.all_to_all(received, grads, group=group)
-        return torch.stack(received).sum(0)
+    if grads[0].device.type == "cpu":  # gloo: no reduce_scatter, and its list all_to_all only in some builds
+        sent = torch.stack(grads)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=group)  # received[r]: rank r's gradient of this rank's part
+        return received.sum(0)
     mine = torch.empty_like(grads[0])
     dist.reduce_scatter(mine, grads, group=group)
     return mine
@@ -451,21 +456,78 @@ def _detached(x: Any) -> Any:
     return x
 
 
-def _rank_main(rank: int, fn: Callable, world: int, folder: str, timeout: float, args: tuple) -> None:
-    """One CPU rank: join the gloo group through a file store, run ``fn(rank, *args)``, save the result."""
-    if os.uname().sysname == "Linux":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks on one machine: the loopback device
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout))
+_FAILURE_FILE = "error{rank}.json"
+_FORK_AUTOGRAD = "Unable to handle autograd's threading in combination with fork-based multiprocessing"
+# What a rank's collective says when another rank's process has gone: a consequence, never the cause.
+_PEER_GONE = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "DistBackendError")
+_MAX_TIMEOUT = 1e9  # seconds: the collectives count their deadline in int64 nanoseconds (292 years) from now
+
+
+def _record_failure(folder: str, rank: int) -> None:
+    """Write this rank's traceback and the time it raised to the run's folder, atomically (see :func:`_wait`)."""
+    record = {"time_ns": time.time_ns(), "traceback": traceback.format_exc()}
+    path = os.path.join(folder, _FAILURE_FILE.format(rank=rank))
     try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)
+    except OSError:  # the report then falls back to what torch.multiprocessing carries
+        pass
+
+
+def _rank_main(rank: int, fn: Callable, world: int, folder: str, timeout: float, args: tuple) -> None:
+    """One CPU rank: join the gloo group through a file store, run ``fn(rank, *args)``, save the result.
+
+    A rank that raises records its traceback first, while its group is still open: the other ranks' collectives
+    fail ("Connection reset by peer") only once it has closed, so its record is the earliest (:func:`_wait`)."""
+    joined = False
+    try:
+        if os.uname().sysname == "Linux":
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # ranks on one machine: the loopback device
+        torch.set_num_threads(1)  # the ranks share the machine's cores
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'store')}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout))
+        joined = True
         # Every rank has joined before any runs fn: a rank that fails at once cannot leave another still
         # connecting, whose "connection closed by peer" would then be the failure reported in its place.
         dist.barrier()
         result = fn(rank, *args)
         torch.save(_detached(result), os.path.join(folder, f"result{rank}.pt"))
+    except BaseException:
+        _record_failure(folder, rank)
+        raise
     finally:
-        dist.destroy_process_group()
+        if joined:
+            dist.destroy_process_group()
+
+
+def _importable(fn: Callable) -> bool:
+    """Whether ``fn`` pickles by reference: defined at the top level of a module other than ``__main__``."""
+    module = getattr(fn, "__module__", None)
+    if module in (None, "__main__") or module not in sys.modules:
+        return False
+    found = sys.modules[module]
+    for part in getattr(fn, "__qualname__", "<>").split("."):
+        found = getattr(found, part, None)
+    return found is fn
+
+
+def _picklable(x: Any) -> bool:
+    try:
+        pickle.dumps(x)
+    except Exception:
+        return False
+    return True
+
+
+def _default_start_method(fn: Callable, args: tuple, methods: list) -> str:
+    """"fork" where the system has it, except on a CUDA machine when "spawn" can start ``fn``; else "spawn"."""
+    if "fork" not in methods:
+        return "spawn"
+    if torch.cuda.is_available() and _importable(fn) and _picklable(args):
+        return "spawn"  # a forked rank's backward fails once this process has run one (see run_on_cpu_ranks)
+    return "fork"
 
 
 def run_on_cpu_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0,
@@ -477,29 +539,93 @@ def run_on_cpu_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.
     :func:`sequence_parallel_attention` freely. The list of the ranks' return values comes back in rank
     order, tensors detached.
 
-    ``start_method``: "fork" by default where the system has it (quick, and ``fn`` may be defined in a
-    notebook), else "spawn" (``fn`` and ``args`` must then be picklable: defined in a module). A rank that
-    raises ends the run: the others are stopped and a RuntimeError carries the failing rank's traceback.
-    A run still going after ``timeout`` seconds is stopped with a TimeoutError; the collectives use the same
-    timeout. Every process is joined before this returns.
+    ``start_method``: "fork", "spawn" or "forkserver" (those the system has). By default "fork" where the system
+    has it (quick, and ``fn`` may be defined in a notebook), else "spawn" (``fn`` and ``args`` must then be
+    picklable: ``fn`` defined in a module). Except on a machine with CUDA, where the default is "spawn" whenever
+    ``fn`` is importable (defined at the top level of a module other than ``__main__``) and ``args`` pickle:
+    there, once this process has run any autograd backward, a forked rank dies in its own backward with torch's
+    "Unable to handle autograd's threading in combination with fork-based multiprocessing" (autograd's worker
+    threads do not survive a fork). When a rank dies of that anyway (``fn`` defined in a notebook), the
+    RuntimeError says so and what to do: define ``fn`` in a module and pass ``start_method="spawn"``, or run the
+    ranks before any backward in this process. A spawned rank imports the main module again before it runs
+    ``fn``: a script calls this under ``if __name__ == "__main__":`` (a notebook or ``python -c`` need not).
+
+    A rank that raises ends the run: the others are stopped and a RuntimeError names that rank and carries its
+    traceback. When the others' collectives fail in turn ("Connection reset by peer"), the rank reported is still
+    the one that raised first: each rank records its traceback and the time before its group closes.
+    A run still going after ``timeout`` seconds (a positive number, at most 1e9: the collectives count their
+    deadline in nanoseconds) is stopped with a TimeoutError; the collectives use the same timeout. Every process
+    is joined before this returns.
     """
     world_size = validate_positive_int("world_size", world_size)
     if not callable(fn):
         raise TypeError(f"fn must be callable as fn(rank, *args), got {type(fn).__name__}")
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a positive number of seconds, got {type(timeout).__name__} {timeout!r}")
+    if not 0 < timeout <= _MAX_TIMEOUT:  # NaN fails too
+        raise ValueError(f"timeout must be a positive, finite number of seconds, at most {_MAX_TIMEOUT:g} (the "
+                         f"collectives count their deadline in nanoseconds), got {timeout!r}")
     methods = torch.multiprocessing.get_all_start_methods()
-    start_method = start_method or ("fork" if "fork" in methods else "spawn")
+    if start_method is None:
+        start_method = _default_start_method(fn, args, methods)
     validate_choice("start_method", start_method, tuple(methods))
     with tempfile.TemporaryDirectory(prefix="lightning_ranks_") as folder:
         context = torch.multiprocessing.start_processes(
             _rank_main, args=(fn, world_size, folder, float(timeout), args), nprocs=world_size, join=False,
             daemon=True, start_method=start_method)
-        _wait(context, world_size, float(timeout))
+        _wait(context, world_size, float(timeout), folder, start_method)
         return [torch.load(os.path.join(folder, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
-def _wait(context, world: int, timeout: float) -> None:
+def _failure_message(rank: int, world: int, traceback_text: str, start_method: str) -> str:
+    """The RuntimeError's message for a rank that raised: its rank and traceback, and for the one failure that a
+    fork causes (autograd's threads after a backward in the parent) the cause and the remedy."""
+    message = f"rank {rank} of {world} failed:\n{traceback_text.rstrip()}"
+    if _FORK_AUTOGRAD in traceback_text and start_method == "fork":
+        message += ("\n\nrun_on_cpu_ranks: the ranks were started with start_method='fork' after this process had run "
+                    "an autograd backward, and autograd's threads do not survive a fork. Define fn at the top level "
+                    "of a module (not in __main__ or a notebook) and pass start_method='spawn', or call "
+                    "run_on_cpu_ranks before any backward in this process.")
+    return message
+
+
+def _recorded_failures(folder: str, world: int) -> dict[int, dict]:
+    """{rank: {"time_ns", "traceback"}} for every rank that recorded a failure (:func:`_record_failure`)."""
+    out = {}
+    for r in range(world):
+        try:
+            with open(os.path.join(folder, _FAILURE_FILE.format(rank=r))) as f:
+                out[r] = json.load(f)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _first_failure(context, folder: str, world: int, start_method: str, exc) -> str:
+    """The message of the failure that started it all, whichever rank torch.multiprocessing noticed first.
+
+    The rank that raised first, by its record's time; but a rank that died without a record (killed, or a crash
+    below Python) while the first record is only a collective noticing a peer gone, is that dead rank."""
+    records = _recorded_failures(folder, world)
+    if records:
+        first = min(records, key=lambda r: records[r]["time_ns"])
+        text = records[first]["traceback"]
+        if any(s in text for s in _PEER_GONE):
+            for r, process in enumerate(context.processes):
+                process.join(0.1)
+                if r not in records and process.exitcode not in (None, 0):
+                    return f"rank {r} of {world} died (exit code {process.exitcode}) without a Python exception"
+        return _failure_message(first, world, text, start_method)
+    if isinstance(exc, torch.multiprocessing.ProcessRaisedException):
+        return _failure_message(exc.error_index, world, str(exc), start_method)
+    message = f"rank {exc.error_index} of {world} died: {exc}"
+    if start_method != "fork":  # it may not have reached fn at all: its stderr holds what it printed
+        message += (f" (with start_method={start_method!r} each rank first imports the main module again: a script "
+                    "must call run_on_cpu_ranks under `if __name__ == \"__main__\":`, or pass start_method='fork')")
+    return message
+
+
+def _wait(context, world: int, timeout: float, folder: str, start_method: str) -> None:
     """Join every rank, or stop them all: a rank's failure becomes a RuntimeError, a hang a TimeoutError."""
     deadline = time.monotonic() + timeout
     try:
@@ -507,10 +633,8 @@ def _wait(context, world: int, timeout: float) -> None:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"run_on_cpu_ranks: the {world} ranks did not finish within {timeout:g} s "
                                    f"(a rank waiting in a collective that another rank never joined?)")
-    except torch.multiprocessing.ProcessRaisedException as exc:
-        raise RuntimeError(f"rank {exc.error_index} of {world} failed:\n{exc}") from None
-    except torch.multiprocessing.ProcessExitedException as exc:
-        raise RuntimeError(f"rank {exc.error_index} of {world} died: {exc}") from None
+    except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as exc:
+        raise RuntimeError(_first_failure(context, folder, world, start_method, exc)) from None
     finally:
         for process in context.processes:
             if process.is_alive():
@@ -519,4 +643,3 @@ def _wait(context, world: int, timeout: float) -> None:
             if process.is_alive():
                 process.kill()
             process.join()
-

@@ -259,8 +259,8 @@ register(Implementation(
     f"{_TK}:tma_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=128, checked_against="torch.chunked"))
 
 # One decoding step: KV = lambda KV + k^T v, o = q KV for one token per (batch, head), the state carried from
-# a prefill (lightning_attention(..., return_state=True)) or a previous step. No backward: the torch step is
-# plain tensor ops, differentiable by autograd.
+# a prefill (lightning_attention(..., return_state=True)) or a previous step. No backward hook: the torch step is
+# plain tensor ops, differentiable by autograd, and the triton step's custom op has its backward registered.
 register(Implementation(
     "numpy.step", "numpy", "02", "one step of the per-token recurrence: the ground truth of every decoding step",
     f"{_NR}:step_from_args", backend=True, op="step"))
@@ -269,8 +269,9 @@ register(Implementation(
     f"{_TC}:step_from_args", dtypes=_TORCH_DTYPES, differentiable=True, checked_against="numpy.step", backend=True,
     op="step"))
 register(Implementation(
-    "triton.decode", "triton", "10", "one decoding step in one Triton kernel launch",
-    f"{_TK}:decode_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256, checked_against="torch.step", backend=True,
+    "triton.decode", "triton", "10", "one decoding step in one Triton kernel launch, its backward in torch ops",
+    f"{_TK}:decode_from_args", dtypes=_KERNEL_DTYPES, max_head_dim=256, differentiable=True,
+    checked_against="torch.step", backend=True,
     bench=None, op="step"))
 
 # The backends' modules are imported now, once: ``lightning_attention`` looks its backend up on every call, and

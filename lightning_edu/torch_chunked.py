@@ -103,8 +103,8 @@ def decay_gradient_from_grads(q, k, dq, dk, final_state=None, d_final_state=None
 
 
 def decay_gradient(q, k, v, do, decay, initial_state=None, d_final_state=None, block_size: int | None = None,
-                   scan: str = "sequential") -> torch.Tensor:
-    """dL/d(ln lambda) per head, by the tangent of the forward. (Chapter 06.)
+                   scan: str = "sequential", wrt: str = "log") -> torch.Tensor:
+    """dL/d(ln lambda) per head, by the tangent of the forward; with ``wrt="lambda"``, dL/dlambda. (Chapter 06.)
 
     Differentiate the recurrence with respect to g = ln lambda: W_t = dS_t/dg obeys
 
@@ -120,28 +120,46 @@ def decay_gradient(q, k, v, do, decay, initial_state=None, d_final_state=None, b
     Every weight (r - r') is exact and the diagonal's is 0, so nothing cancels (unlike
     :func:`decay_gradient_from_grads`). Cost: one more chunked pass over q, k, v, do. Inputs as validated:
     (batch, heads, n, d) tensors, decay (heads,) (numpy or tensor); computed in :func:`compute_dtype`, the
-    factors in float64. Returns float64 (heads,); dL/dlambda is this divided by lambda.
+    factors in float64. Returns float64 (heads,).
+
+    ``wrt="lambda"`` returns dL/dlambda = dL/dg / lambda, the division done on the factors, in float64, before
+    they are rounded: m lambda^m becomes m lambda^(m-1) (0 for m = 0), lambda^r q_r S_i becomes
+    r lambda^(r-1) q_r S_i, and W becomes V = W / lambda = dS/dlambda (the same scan). Why the backends take this
+    one: dL/dg = lambda dL/dlambda is as tiny as lambda (for a float32 lambda of 1e-45 each of its terms
+    lambda (q . k)(do . v) is subnormal), and a subnormal carries few digits, so dividing the rounded dL/dg by
+    lambda afterwards would lose most of the digits of dL/dlambda; its own terms, weights (r - r') lambda^(r-r'-1)
+    that are 1 at a gap of one, keep them.
     """
+    wrt = validate_choice("wrt", wrt, ("log", "lambda"))
     n, block, dtype, (mask, q_scale, k_scale, block_decay), (qb, kb, vb), state0 = _prepare(
         q, k, v, initial_state, decay, block_size
     )
+    lam = decay_tensor(decay, q.device)  # float64
+
+    def weighted(m):  # m lambda^m (wrt "log") or m lambda^(m-1) (wrt "lambda"), shape (heads, *m.shape), in float64
+        m = m.to(torch.float64)
+        if wrt == "log":
+            return m * _powers(lam, m, torch.float64)
+        return torch.where(m > 0, m * _powers(lam, (m - 1).clamp(min=0), torch.float64), 0.0)
+
     dob = to_blocks(do.to(dtype), block)
     n_blocks = qb.shape[2]
     starts = torch.arange(n_blocks, device=q.device) * block
     ends = torch.clamp(starts + block, max=n)
     rows = starts[:, None] + torch.arange(block, device=q.device)[None, :]
-    key_gap = (ends[:, None] - 1 - rows).clamp(min=0).to(dtype)[..., None]  # L-1-j, (n_blocks, B, 1)
+    key_gap = (ends[:, None] - 1 - rows).clamp(min=0)  # L-1-j, (n_blocks, B)
     states = scan_states(local_block_states(kb, vb, k_scale), block_decay, state0, scan)  # S_i, and S_n last
-    lengths = (ends - starts).to(dtype)[None, :, None, None]  # L per block
-    w_local = local_block_states(kb, vb, key_gap * k_scale) + (block_decay[:, :, None, None] * lengths) * states[:, :, :-1]
-    tangents = scan_states(w_local, block_decay, None, scan)  # W_i, and W_n last
-    r = torch.arange(1, block + 1, device=q.device, dtype=dtype)
+    carry = weighted(ends - starts).to(dtype)[:, :, None, None]  # L lambda^L (or L lambda^(L-1)) per block
+    w_local = local_block_states(kb, vb, weighted(key_gap).to(dtype)[..., None]) + carry * states[:, :, :-1]
+    tangents = scan_states(w_local, block_decay, None, scan)  # W_i (or V_i), and W_n last
+    r = torch.arange(1, block + 1, device=q.device)
     gap = (r[:, None] - r[None, :]).clamp(min=0)  # r - r' on and below the diagonal
     causal = _causal(block, q.device)
-    weights = torch.where(causal, gap * mask, 0.0)  # (heads, 1, B, B)
+    weights = torch.where(causal, weighted(gap).to(dtype)[:, None], 0.0)  # (heads, 1, B, B)
     intra = ((qb @ kb.transpose(-1, -2)) * (dob @ vb.transpose(-1, -2)) * weights).sum(dim=(-1, -2))
-    inter = (q_scale * ((r[:, None] * qb) @ states[:, :, :-1] + qb @ tangents[:, :, :-1]) * dob).sum(dim=(-1, -2))
-    grad = (intra.double() + inter.double()).sum(dim=(0, 2))
+    row_scale = weighted(r[:, None]).to(dtype)[:, None]  # r lambda^r (or r lambda^(r-1)), (heads, 1, B, 1)
+    inter = ((row_scale * qb) @ states[:, :, :-1] + (q_scale * qb) @ tangents[:, :, :-1]) * dob
+    grad = (intra.double() + inter.sum(dim=(-1, -2)).double()).sum(dim=(0, 2))
     if d_final_state is not None:
         grad = grad + (d_final_state.double() * tangents[:, :, -1].double()).sum(dim=(0, 2, 3))
     return grad
@@ -279,6 +297,10 @@ def scan_states(local, block_decay, initial=None, scan: str = "sequential"):
     if scan == "sequential":
         states = local.new_empty(batch, heads, n_blocks + 1, d_k, d_v)
         states[:, :, 0] = initial
+        if torch.compiler.is_compiling():  # Dynamo refuses a strided out=: the same op, then a copy
+            for i in range(n_blocks):
+                states[:, :, i + 1] = torch.addcmul(local[:, :, i], a[:, i], states[:, :, i])
+            return states
         for i in range(n_blocks):  # one fused op per step, written in place: the steps are the cost here
             torch.addcmul(local[:, :, i], a[:, i], states[:, :, i], out=states[:, :, i + 1])
         return states
@@ -318,8 +340,16 @@ def blocks_per_group(batch: int, heads: int, block: int, n_blocks: int, device, 
     """
     if torch.device(device).type != "cpu":
         return n_blocks
-    budget = GROUP_BYTES_PER_THREAD * torch.get_num_threads()
+    budget = GROUP_BYTES_PER_THREAD * _num_threads()
     return max(1, min(n_blocks, budget // (batch * heads * block * block * itemsize)))
+
+
+@torch.compiler.assume_constant_result
+def _num_threads() -> int:
+    """``torch.get_num_threads()``, read on every eager call; while :func:`torch.compile` traces, read once and kept
+    in the graph as a constant (Dynamo cannot put a call returning an int in a graph): a compiled call groups its
+    blocks as an eager call did when it was traced, and the groups set the speed, not the result."""
+    return torch.get_num_threads()
 
 
 def block_groups(xb: torch.Tensor):
@@ -438,10 +468,9 @@ def _gradients(q, k, v, do, initial_state, d_final, decay, block_size, scan, dec
     dq, dk, dv, d_init = _backward(q, k, v, do, initial_state, d_final, decay, block_size, scan)
     d_init = None if initial_state is None else d_init.to(initial_state.dtype)
     d_decay = None
-    if decay_grad:  # dL/dlambda = dL/d(ln lambda) / lambda
-        lam = decay_tensor(decay, q.device)
-        d_ln = decay_gradient(q, k, v, do, decay, initial_state, d_final, block_size, scan)
-        d_decay = (d_ln / lam).to(decay.dtype)
+    if decay_grad:  # dL/dlambda itself, not dL/d(ln lambda) / lambda: see decay_gradient
+        d_decay = decay_gradient(q, k, v, do, decay, initial_state, d_final, block_size, scan, wrt="lambda")
+        d_decay = d_decay.to(decay.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), d_init, d_decay
 
 

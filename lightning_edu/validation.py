@@ -63,7 +63,8 @@ class AttentionArgs:
 
     ``decay`` is a float64 numpy array of shape (heads,), whatever form it was given in, except for the torch
     and triton backends given a torch tensor on a GPU or one that requires grad: then it is that tensor, shape
-    (heads,), its values unread on the host (see :func:`validate_decay`; consumers call :func:`device_decay`).
+    (heads,), its values unread on the host (see :func:`validate_decay`; consumers call :func:`device_decay`);
+    and for those backends under :func:`torch.compile`, where a number or list comes as a tuple of floats.
     ``cu_seqlens`` (a packed batch) is a tuple of Python ints on the host, or None.
     """
 
@@ -144,6 +145,11 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay", *,
 
     A tensor that requires grad anywhere else is refused (TypeError): detaching it would drop its gradient
     without a word.
+
+    While :func:`torch.compile` traces a call of those backends, a Python number or list is checked as here and
+    returned as a tuple of Python floats, constants of the graph, instead of an array: Dynamo traces numpy
+    calls as tensor operations, so an array built here would be a tensor of the graph and its values unknown to
+    the tracer (:func:`device_decay` makes a tensor of the floats).
     """
     if isinstance(decay, bool) or decay is None:
         raise TypeError(f"{name} must be a float in (0, 1] or one value per head, got {type(decay).__name__} {decay!r}")
@@ -162,7 +168,12 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay", *,
                 if not (0 < x <= 1):
                     where = "" if isinstance(decay, numbers.Real) or len(py) == 1 else f" (head {i})"
                     raise ValueError(f"{name} must lie in (0, 1]{where}, got {x!r}")
+            if keep_tensor and _torch().compiler.is_compiling():
+                return tuple(py)  # constants of the traced graph: an array built here would be traced as a tensor
             return np.array(py, dtype=np.float64)
+    if keep_tensor and isinstance(decay, np.ndarray) and _torch().compiler.is_compiling():
+        # Dynamo traces an array (a numpy scalar too) as a tensor, an input of the graph: checked as a tensor is
+        decay = _torch().as_tensor(decay, dtype=_torch().float64)
     tensor = None
     if _kind(decay) == "torch":
         if not decay.is_floating_point():
@@ -171,8 +182,8 @@ def validate_decay(decay: Any, heads: int | None = None, name: str = "decay", *,
         if wants_grad and not allow_grad:
             raise TypeError(
                 f"{name} requires grad, but this call computes no gradient with respect to lambda (only "
-                f"lightning_attention, normalized_attention and hybrid_attention with backend 'torch' or 'triton', "
-                f"and the step functions with backend 'torch', do); pass {name}.detach() (or a float) to treat "
+                f"lightning_attention, normalized_attention and their step functions with backend 'torch' or "
+                f"'triton', and hybrid_attention with backend 'torch', do); pass {name}.detach() (or a float) to treat "
                 f"lambda as a constant"
             )
         compiling = _torch().compiler.is_compiling()  # then a CPU tensor's values are graph values, not constants
@@ -220,6 +231,8 @@ def device_decay(decay, device, dtype):
     the outputs of that head turn NaN instead of silently wrong, and the host never waits for the GPU.
     """
     torch = _torch()
+    if isinstance(decay, tuple):  # Python floats (validate_decay under torch.compile): no numpy in a traced graph
+        return torch.tensor(decay, dtype=torch.float64).to(device=device, dtype=dtype)
     if not torch.is_tensor(decay):  # a float64 array (or the floats of a caller that validated them itself)
         return torch.as_tensor(np.asarray(decay, dtype=np.float64), dtype=torch.float64).to(device=device, dtype=dtype)
     lam = decay.to(device=device, dtype=dtype)
@@ -298,9 +311,10 @@ def validate_attention_args(
     A packed batch (``cu_seqlens`` given, see :func:`validate_cu_seqlens`): q, k, v, do hold every sequence
     on one batch row, (1, heads, total, d), and the states are (num_seqs, heads, d_k, d_v).
     ``who`` names a numpy-only function (no ``backend`` argument) in the error for torch inputs.
-    ``need_do`` marks a backward call, where ``do`` = dL/do is required. ``decay_grad`` says the caller
-    returns dL/dlambda through autograd (the torch and triton backends of :func:`lightning_attention`): only
-    then may decay be a tensor that requires grad.
+    ``need_do`` marks a backward call, where ``do`` = dL/do is required and, while grad mode is on, no tensor may
+    require grad (the gradients it returns have no graph: a gradient through them would be lost). ``decay_grad``
+    says the caller returns dL/dlambda through autograd (the torch and triton backends of
+    :func:`lightning_attention`): only then may decay be a tensor that requires grad.
     """
     if need_do and do is None:
         raise TypeError("do (the gradient dL/do, shaped like the output o) is required for the backward pass, got None")
@@ -354,6 +368,15 @@ def validate_attention_args(
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
     if kind == "torch" and do is not None and do.dtype != q.dtype:
         raise TypeError(f"do must have the same dtype as q ({q.dtype}), got {do.dtype}")
+    if need_do and kind == "torch" and _torch().is_grad_enabled():
+        # The backward's outputs carry no autograd graph (no second derivative), so a gradient through them
+        # would be dropped: refused, as a decay that requires grad is.
+        for name, x in (("q", q), ("k", k), ("v", v), ("do", do), ("initial_state", initial_state),
+                        ("d_final_state", d_final_state)):
+            if x is not None and x.requires_grad:
+                raise TypeError(f"{name} requires grad, but the gradients this call returns are not differentiable "
+                                f"(no second derivative); pass {name}.detach() to treat it as a constant, or call "
+                                f"it under torch.no_grad()")
     return AttentionArgs(q, k, v, lam, backend, block, initial_state, do, kind, batch, heads, seq_len, d_k, d_v,
                          cu_seqlens)
 
@@ -365,9 +388,22 @@ def validate_cu_seqlens(cu_seqlens: Any, total: int) -> tuple[int, ...]:
 
     It must live on the host: a list or tuple of ints, a numpy array or a CPU tensor. Reading a CUDA tensor
     would make the host wait for the GPU on every call, so a CUDA tensor is refused; keep a CPU copy beside
-    it, as fla's ``cu_seqlens_cpu`` does.
+    it, as fla's ``cu_seqlens_cpu`` does. While :func:`torch.compile` traces the call only Python ints will do
+    (a TypeError otherwise): Dynamo makes a tensor or a numpy array an input of the graph, whose values the
+    tracer does not know, and the boundaries set the shapes of the slices.
     """
     torch = _torch()
+    traced = (torch.Tensor, np.ndarray)
+    if torch.compiler.is_compiling() and (isinstance(cu_seqlens, traced) or (
+            isinstance(cu_seqlens, (list, tuple)) and any(isinstance(x, traced) for x in cu_seqlens))):
+        # Dynamo makes a tensor, an array or a numpy integer an input of the graph, its values unknown to the tracer
+        # (a numpy scalar is traced as an array), and the boundaries set the shapes of the slices
+        listed = isinstance(cu_seqlens, (list, tuple))
+        given = "a list holding numpy or torch scalars" if listed else type(cu_seqlens).__name__
+        raise TypeError(f"cu_seqlens must be a list or tuple of Python ints while torch.compile traces the call, got "
+                        f"{given}: the boundaries set the shapes of the slices, and the tracer does not know the "
+                        f"values of a tensor or an array (they are inputs of the graph); convert it with "
+                        f"cu_seqlens.tolist() outside the compiled function")
     if torch is not None and isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.device.type != "cpu":
             raise ValueError(f"cu_seqlens must be on the host (a list, a numpy array or a CPU tensor): reading a "
@@ -448,7 +484,8 @@ def validate_step_args(
         raise ValueError(f"every axis must have length >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
     _same_dtype_and_device(kind, q, k=k, v=v)
     backend = _resolve_backend(backend, kind, q)
-    lam = validate_decay(decay, heads, keep_tensor=backend in ("torch", "triton"), allow_grad=backend == "torch")
+    tensor_ok = backend in ("torch", "triton")
+    lam = validate_decay(decay, heads, keep_tensor=tensor_ok, allow_grad=tensor_ok)
     if backend == "triton":
         validate_head_dims(d_k, d_v, 256, "backend='triton'")
         validate_kernel_dtype("q (backend='triton')", q)
@@ -696,3 +733,34 @@ def validate_normalized_args(q: Any, k: Any, v: Any, decay: Any, feature_map: An
 
 
 __all__ += ["validate_feature_input", "validate_normalized_args"]
+
+
+def validate_tokens(tokens: Any, vocab: int, max_len: int, name: str = "tokens") -> bool:
+    """The input of a language model: an int32/int64 tensor (batch, n) with batch, n >= 1 and n <= ``max_len``.
+
+    The ids must lie in [0, vocab). They are read here, on the host, only for a CPU tensor outside
+    :func:`torch.compile`, where that costs one pass and no wait; on a GPU (or while compiling, or on the meta
+    device) reading them would make the host wait for the GPU on every step, so the caller checks them on the
+    device instead (:class:`lightning_edu.models.Decoder` turns the outputs of an id out of range into NaN).
+    Returns whether the ids were checked here.
+    """
+    torch = _torch()
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int32, torch.int64) or tokens.ndim != 2:
+        got = _describe(tokens) if _kind(tokens) else type(tokens).__name__
+        raise TypeError(f"{name} must be an int32/int64 tensor of shape (batch, n), got {got}")
+    batch, n = (int(s) for s in tokens.shape)
+    if batch < 1 or n < 1:
+        raise ValueError(f"{name} must hold at least one sequence of at least one token, got shape {(batch, n)}")
+    if n > max_len:
+        raise ValueError(f"{name}: sequence length {n} exceeds max_len={max_len}")
+    if tokens.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    bad = (tokens < 0) | (tokens >= vocab)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} must be ids in [0, vocab) = [0, {vocab - 1}], got {int(tokens[where])} at "
+                         f"(batch, position) {where}")
+    return True
+
+
+__all__ += ["validate_tokens"]

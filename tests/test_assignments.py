@@ -219,7 +219,7 @@ def test_course_layout_never_overwrites(tmp_path):
 
 
 def test_course_refuses_an_unknown_chapter(tmp_path):
-    with pytest.raises(SystemExit, match="no chapter '99'"):
+    with pytest.raises(ValueError, match="no chapter '99'"):
         layout_course(tmp_path, ["99"])
 
 

@@ -13,6 +13,8 @@ from lightning_edu.checks import relative_error
 from lightning_edu.errata import autograd_gradients
 from lightning_edu.torch_chunked import decay_gradient, decay_gradient_from_grads
 
+from kernel_cases import on
+
 # (backend, dtype) -> bound on the relative error of dL/dlambda
 BOUNDS = {("torch", torch.float64): 1e-12, ("torch", torch.float32): 2e-5, ("triton", torch.float32): 2e-5,
           ("triton", torch.float16): 5e-2}
@@ -66,6 +68,26 @@ def test_decay_gradient_matches_float64_autograd(backend, dtype, n, d_k, d_v, de
     assert relative_error(got, want) < BOUNDS[backend, dtype]
 
 
+@on()
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("lam", [1e-45, 1e-38, 1e-30, 1e-8])  # 1e-45 and 1e-38 are subnormal in float32
+def test_decay_gradient_of_a_tiny_float32_lambda(device, backend, lam):
+    """dL/dlambda where lambda dL/dlambda, the gradient in ln or log2 lambda, is subnormal in float32: the backends
+    form dL/dlambda without it (dividing it by lambda afterwards would keep only the digits a subnormal has)."""
+    q, k, v, do, s0, dsn = _problem(1, 2, 40, 16, 16, seed=4)
+    q, k, v, s0 = _rounded(torch.float32, q, k, v, s0)
+    decay = _lambda_as_learned([lam, 0.5], torch.float32)
+    assert 0 < decay[0] < 1e-7  # still tiny once rounded to float32 (1e-45 becomes 2^-149)
+    want = autograd_gradients(q, k, v, do, decay, s0, dsn, with_decay=True)[4]
+    t = lambda x: torch.tensor(x, dtype=torch.float32, device=device)  # noqa: E731
+    learned = t(decay).requires_grad_()
+    o, sn = le.lightning_attention(t(q), t(k), t(v), learned, backend=backend, initial_state=t(s0), return_state=True)
+    ((o.double() * t(do).double()).sum() + (sn.double() * t(dsn).double()).sum()).backward()
+    got = learned.grad.double().cpu().numpy()
+    assert relative_error(got, want) < BOUNDS[backend, torch.float32]
+    assert relative_error(got[:1], want[:1]) < BOUNDS[backend, torch.float32]
+
+
 @settings(max_examples=15, deadline=None)
 @given(block=st.sampled_from([16, 32, 64]), n=st.integers(1, 90), lam=st.floats(0.05, 1.0))
 def test_block_size_does_not_change_the_decay_gradient(block, n, lam):
@@ -117,19 +139,19 @@ def test_the_formula_is_the_sum_over_query_and_key_positions():
     assert torch.allclose(decay_gradient(q, k, v, do, np.array([lam]), block_size=4), got)  # inside one block
 
 
-def test_the_torch_step_learns_decay_and_the_triton_step_refuses():
+def test_the_torch_and_triton_steps_learn_decay_and_the_numpy_step_refuses():
     rng = np.random.default_rng(2)
-    q, k, v = (torch.tensor(rng.standard_normal((2, 3, 4))) for _ in range(3))
-    s = torch.tensor(rng.standard_normal((2, 3, 4, 4)))
-    lam = torch.tensor([0.9, 0.5, 1.0], dtype=torch.float64, requires_grad=True)
-    o, new = le.lightning_attention_step(q, k, v, s, lam, backend="torch")
-    (o.sum() + new.sum()).backward()
+    q, k, v = (torch.tensor(rng.standard_normal((2, 3, 16))) for _ in range(3))
+    s = torch.tensor(rng.standard_normal((2, 3, 16, 16)))
     # d/dlambda of sum(q (lambda s + k^T v)) + sum(lambda s + k^T v) = sum(q s) + sum(s), per head
     want = (q[..., :, None] * s).sum(dim=(0, 2, 3)) + s.sum(dim=(0, 2, 3))
-    assert torch.allclose(lam.grad, want)
-    if le.registry.backend_for("triton", op="step"):
-        with pytest.raises(TypeError, match="^decay requires grad"):
-            le.lightning_attention_step(q.float(), k.float(), v.float(), s.float(), lam.float(), backend="triton")
+    for backend, dtype, bound in (("torch", torch.float64, 1e-12), ("triton", torch.float32, 1e-6)):
+        lam = torch.tensor([0.9, 0.5, 1.0], dtype=dtype, requires_grad=True)
+        o, new = le.lightning_attention_step(*(x.to(dtype) for x in (q, k, v, s)), lam, backend=backend)
+        (o.sum() + new.sum()).backward()
+        assert relative_error(lam.grad, want) < bound, backend
+    with pytest.raises(TypeError, match="^decay requires grad"):
+        le.lightning_attention_step(q.numpy(), k.numpy(), v.numpy(), s.numpy(), lam, backend="numpy")
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 2e-5), (torch.float16, 5e-2)])

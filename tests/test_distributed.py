@@ -7,6 +7,7 @@ sequence) and returns its largest errors, which the test process then asserts on
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -267,3 +268,78 @@ def test_second_derivatives_through_the_exchanges_raise_on_every_rank():
     for rank, out in enumerate(run_on_cpu_ranks(_second_derivatives, 2)):
         for (exchange, route), message in out.items():
             assert "has no second derivative" in message, f"rank {rank}, {exchange}, {route}: {message}"
+
+
+def _raises_while_the_others_reduce(rank):
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    dist.all_reduce(torch.ones(3))  # blocks until rank 1's process is gone: then "Connection reset by peer"
+    return rank
+
+
+def test_the_failure_reported_is_the_rank_that_raised_every_time():
+    """The others' collectives fail too once rank 1 has gone, and torch.multiprocessing may notice one of them
+    first; the report must still name rank 1 and carry its own exception, run after run."""
+    for _ in range(3):
+        with pytest.raises(RuntimeError) as info:
+            run_on_cpu_ranks(_raises_while_the_others_reduce, 3, start_method="fork")  # the quick start
+        message = str(info.value)
+        assert message.startswith("rank 1 of 3 failed:") and "ValueError: boom from rank 1" in message, message
+
+
+@pytest.mark.parametrize("timeout", [float("inf"), float("nan"), 0, -1.0, 1e10])
+def test_run_on_cpu_ranks_refuses_a_timeout_it_cannot_keep(timeout):
+    with pytest.raises(ValueError, match=f"timeout must be a positive, finite number of seconds.*got {timeout!r}"):
+        run_on_cpu_ranks(_fails_on_rank_one, 2, timeout=timeout)
+
+
+def test_a_fork_after_a_backward_is_explained():
+    """What a forked rank raises in its backward once the parent has run one (seen on CUDA machines), turned into
+    a message that names the cause and the two ways out; any other failure, or a spawned run, is left as it is."""
+    from lightning_edu.distributed import _failure_message
+
+    torch_error = ("Traceback (most recent call last):\n  ...\nRuntimeError: Unable to handle autograd's threading "
+                   "in combination with fork-based multiprocessing. See https://github.com/pytorch/pytorch/wiki/"
+                   "Autograd-and-Fork\n")
+    message = _failure_message(2, 4, torch_error, "fork")
+    assert message.startswith("rank 2 of 4 failed:\nTraceback") and "Autograd-and-Fork" in message
+    assert "start_method='spawn'" in message and "before any backward" in message
+    assert "at the top level of a module" in message
+    other = "Traceback (most recent call last):\n  ...\nValueError: boom\n"
+    assert _failure_message(0, 2, other, "fork") == "rank 0 of 2 failed:\n" + other.rstrip()
+    assert "start_method='spawn'" not in _failure_message(0, 2, torch_error, "spawn")
+
+
+def _module_level(rank):
+    return rank
+
+
+def test_the_default_start_method_is_spawn_on_cuda_machines_when_fn_can_be_imported(monkeypatch):
+    from lightning_edu.distributed import _default_start_method
+
+    def local(rank):
+        return rank
+
+    methods = ["fork", "spawn", "forkserver"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _default_start_method(_module_level, (1, [2.0]), methods) == "spawn"
+    assert _default_start_method(local, (), methods) == "fork"  # pickle cannot find it: only a fork can start it
+    assert _default_start_method(lambda rank: rank, (), methods) == "fork"
+    assert _default_start_method(_module_level, (lambda: 0,), methods) == "fork"  # args that do not pickle
+    assert _default_start_method(_module_level, (), ["spawn"]) == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _default_start_method(_module_level, (), methods) == "fork"
+
+
+def _dies_while_the_others_reduce(rank):
+    if rank == 2:
+        os._exit(3)  # no Python exception, nothing recorded: only its exit code tells
+    dist.all_reduce(torch.ones(3))
+    return rank
+
+
+def test_a_rank_that_dies_without_an_exception_is_the_one_reported():
+    for _ in range(3):
+        with pytest.raises(RuntimeError, match=r"^rank 2 of 3 died") as info:
+            run_on_cpu_ranks(_dies_while_the_others_reduce, 3, start_method="fork")
+        assert "exit code 3" in str(info.value)

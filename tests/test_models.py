@@ -13,6 +13,8 @@ from lightning_edu.models import (
 from lightning_edu.models.mqar import IGNORE_INDEX
 from lightning_edu.perf.bench import head_decays
 
+from kernel_cases import on
+
 
 @pytest.fixture(autouse=True)
 def _two_threads(torch_threads):
@@ -261,6 +263,48 @@ def test_decoder_errors():
         model(torch.zeros(1, 4))
 
 
+@pytest.mark.parametrize("decay, error, message", [
+    ([0.5, 0.9, 0.99], ValueError, "^decay must have one value per head: expected length 2, got length 3"),
+    ([[0.5, 0.9]], ValueError, r"^decay must be a scalar or 1-D with one value per head, got shape \(1, 2\)"),
+    (True, TypeError, "^decay must be a float in \\(0, 1\\] or one value per head, got bool True"),
+    (torch.tensor([0.5, 0.9], requires_grad=True), TypeError, "^decay requires grad"),
+    (np.array([0.5, 0.0]), ValueError, r"^decay must lie in \(0, 1\] \(head 1\), got 0.0"),
+], ids=["length", "2-D", "bool", "requires grad", "zero"])
+def test_a_decay_is_checked_as_lightning_attention_checks_it(decay, error, message):
+    with pytest.raises(error, match=message):
+        Decoder(10, 16, 2, 1, "lightning", decay=decay)
+    with pytest.raises(error, match=message):
+        Attention(16, 2, "elu", decay=decay)
+
+
+def test_a_decay_per_head_lands_in_the_buffer():
+    model = Decoder(10, 16, 2, 1, "lightning", decay=torch.tensor([0.5, 0.25]))
+    assert torch.equal(model.blocks[0].attn.decay, torch.tensor([0.5, 0.25]))
+
+
+@pytest.mark.parametrize("tokens, message", [
+    (torch.zeros(2, 0, dtype=torch.long), r"^tokens must hold at least one sequence of at least one token, got shape "
+                                          r"\(2, 0\)"),
+    (torch.zeros(0, 3, dtype=torch.long), r"got shape \(0, 3\)"),
+    (torch.tensor([[1, 2, 3], [4, 10, 5]]), r"^tokens must be ids in \[0, vocab\) = \[0, 9\], got 10 at \(batch, "
+                                            r"position\) \(1, 1\)"),
+    (torch.tensor([[1, -1]], dtype=torch.int32), r"got -1 at \(batch, position\) \(0, 1\)"),
+], ids=["empty sequence", "empty batch", "id = vocab", "negative id"])
+def test_decoder_refuses_tokens_it_cannot_embed(tokens, message):
+    for kind in ("softmax", "lightning"):
+        with pytest.raises(ValueError, match=message):
+            Decoder(10, 16, 2, 1, kind)(tokens)
+
+
+@on("cuda")
+def test_an_id_out_of_range_on_a_gpu_gives_nan_logits(device):
+    """On a GPU the ids are not read on the host (that would wait for the GPU on every step): an id out of range
+    turns that position's logits NaN instead of raising a device-side assert; the other sequence is untouched."""
+    model = Decoder(10, 16, 2, 1, "lightning").to(device)
+    logits = model(torch.tensor([[1, 2, 3], [4, 10, 5]], device=device)).cpu()
+    assert torch.isnan(logits[1, 1]).all() and torch.isfinite(logits[0]).all() and torch.isfinite(logits[1, 0]).all()
+
+
 # ---------------------------------------------------------------- MQAR
 
 @pytest.mark.parametrize("vocab", [31, 4001])  # keys drawn by one argsort, or row by row (a large vocabulary)
@@ -318,6 +362,18 @@ def test_mqar_refuses_impossible_configs():
         mqar_batch(1, 12, 0, 9)
     with pytest.raises(TypeError, match="seed"):
         mqar_batch(1, 12, 4, 9, seed=1.5)
+
+
+@pytest.mark.parametrize("args, kw, error, name", [
+    ((1, 11, 4, 9), {}, ValueError, "seq_len"), ((1, 12, 4, 8), {}, ValueError, "vocab"),
+    ((0, 12, 4, 9), {}, ValueError, "batch"), ((1, 12, 4, 9), {"seed": -1}, ValueError, "seed"),
+    ((1, 12, 4, 9), {"seed": 1.5}, TypeError, "seed"),
+], ids=["seq_len", "vocab", "batch", "negative seed", "float seed"])
+def test_mqar_batches_checks_its_arguments_when_called(args, kw, error, name):
+    """The stream is refused by the call itself, not at the first next() (a generator function runs no code
+    before it)."""
+    with pytest.raises(error, match=name):
+        mqar_batches(*args, **kw)
 
 
 # ---------------------------------------------------------------- training

@@ -24,8 +24,8 @@ def _inputs(seed, shape=(2, 2, 75, 32, 16)):
 def _grads(path, q, k, v, s0, lam, loss):
     leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]
     lam = lam.clone().requires_grad_()
-    if path == "op":  # the custom op, called as torch.compile would see it
-        o, sn, _ = la2_forward(*leaves[:3], torch.log2(lam.double()).float(), leaves[3], 16, True)
+    if path == "op":  # the custom op, called as torch.compile would see it (a learned lambda's log2 in float64)
+        o, sn, _ = la2_forward(*leaves[:3], torch.log2(lam.double()), leaves[3], 16, True)
     else:
         o, sn = triton_attention(*leaves[:3], lam, leaves[3], block_size=16)
     loss(o, sn).backward()

@@ -265,8 +265,8 @@ BAD = [
      r"^decay must have one value per head: expected length 3, got length 2$"),
     ("decay a bool", "decay", lambda: (_np(), {"decay": True}), TypeError,
      r"^decay must be a float in \(0, 1\] or one value per head, got bool True$"),
-    ("decay requires grad", "decay", lambda: (_t(), {"decay": torch.full((3,), 0.5, requires_grad=True),
-                                                    "backend": "triton"}), TypeError,
+    ("decay requires grad", "decay", lambda: (_np(), {"decay": torch.full((3,), 0.5, requires_grad=True),
+                                                     "backend": "numpy"}), TypeError,
      r"^decay requires grad, but this call computes no gradient .*backend 'torch', do\); pass decay.detach\(\)"),
     ("numpy q, torch k", "k", lambda: (_with(K, _t()[K]), {}), TypeError,
      r"^k must be the same array type as q \(numpy\), got torch.Tensor of shape \(2, 3, 4\).*do not mix numpy "

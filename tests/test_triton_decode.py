@@ -3,7 +3,9 @@
 Each test runs on one device (tests/kernel_cases.py). "cpu", in Triton's CPU interpreter: single steps with odd head
 dims, several state slices per head, in place, 16-bit inputs, non-finite values per head. "cuda", on a GPU: fp32,
 fp16 and bf16 inputs with an fp32 state, a decode loop that reproduces one parallel call, the step API, and a
-packed batch.
+packed batch. On both: the backend's step as the custom op ``lightning_edu::decode_step`` (opcheck, its gradients
+against the torch step's, torch.compile(fullgraph=True): aot_eager in the interpreter, Inductor on a GPU), and on
+the CPU that a step no gradient can follow launches the kernel alone.
 
 Bounds (relative Frobenius error), BOUNDS below for the output o per input dtype: fp32 1e-5, fp16 3e-3, bf16 2e-2
 (cuda only); the fp32 state within the fp32 bound, or 10x it after a 40-step loop. One fp32 step in the interpreter
@@ -15,6 +17,7 @@ import pytest
 import torch
 from kernel_cases import cases, on
 
+import lightning_edu as le
 from lightning_edu.checks import relative_error
 from lightning_edu.numpy_blockwise import blockwise_forward
 from lightning_edu.triton_kernels import log2_decay_tensor
@@ -156,3 +159,70 @@ def test_packed_batch_on_cuda_equals_one_call_per_sequence(device, dtype):
             assert relative_error(piece(got), want) < BOUNDS[dtype]
     with pytest.raises(ValueError, match="cu_seqlens"):
         le.lightning_attention(q, k, v, decay, cu_seqlens=torch.tensor(cu, device=device))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The backend's step as the custom op lightning_edu::decode_step: its schema, fake and autograd registration
+# (opcheck), its gradients against the torch step's, under torch.compile(fullgraph=True) (aot_eager in the
+# interpreter, Inductor on a GPU), and the decoding loop's path, the kernel's launch alone, when nothing needs a
+# gradient. (The value of every gradient against float64: tests/test_gradients_everywhere.py.)
+
+
+def _step_leaves(device, d_k=16, d_v=20, seed=5):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k = (torch.randn(2, 2, d_k, device=device, generator=g) for _ in range(2))
+    v = torch.randn(2, 2, d_v, device=device, generator=g)
+    s = torch.randn(2, 2, d_k, d_v, device=device, generator=g)
+    lam = torch.tensor([0.9, 0.5], device=device)
+    return [x.requires_grad_() for x in (q, k, v, s, lam)]
+
+
+def _step_loss(backend):
+    def loss(q, k, v, s, lam):
+        o, new = le.lightning_attention_step(q, k, v, s, lam, backend=backend)
+        return (o * o).sum() + (new * new.detach().sin()).sum()  # every output, through non-uniform weights
+
+    return loss
+
+
+@on()
+@pytest.mark.parametrize("with_state", [True, False], ids=["state", "no-state"])
+def test_the_step_op_passes_opcheck(device, with_state):
+    from lightning_edu.triton_kernels.decode import decode_op
+
+    q, k, v, s, lam = _step_leaves(device)
+    l2 = torch.log2(lam.detach().double()).requires_grad_()  # a learnable decay's log2 is float64 (hooks)
+    torch.library.opcheck(decode_op, (q, k, v, s if with_state else None, l2))
+
+
+@cases("compiler", {"cpu": ["aot_eager"], "cuda": ["inductor"]})
+def test_the_step_compiles_fullgraph_with_the_torch_steps_gradients(device, compiler):
+    leaves = _step_leaves(device)
+    eager = torch.autograd.grad(_step_loss("triton")(*leaves), leaves)
+    torch_step = torch.autograd.grad(_step_loss("torch")(*leaves), leaves)
+    compiled = torch.compile(_step_loss("triton"), backend=compiler, fullgraph=True)  # a graph break raises
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    for name, e, t, c in zip(("q", "k", "v", "state", "decay"), eager, torch_step, got):
+        assert relative_error(e, t) < STEP_BOUND, name
+        assert relative_error(c, e) < STEP_BOUND, name
+    with torch.no_grad():  # no gradient to follow: the same bits as eager
+        step = lambda *x: le.lightning_attention_step(*x, backend="triton")  # noqa: E731
+        for c, e in zip(torch.compile(step, backend=compiler, fullgraph=True)(*leaves), step(*leaves)):
+            assert torch.equal(c, e) if compiler == "aot_eager" else relative_error(c, e) < STEP_BOUND
+
+
+@on("cpu")
+def test_the_step_takes_the_op_only_when_a_gradient_can_follow(monkeypatch, device):
+    from lightning_edu.triton_kernels import hooks
+
+    calls, op = [], hooks.decode_op
+    monkeypatch.setattr(hooks, "decode_op", lambda *inputs: calls.append(True) or op(*inputs))
+    leaves = _step_leaves(device)
+    plain = [x.detach() for x in leaves]
+    with_grad = le.lightning_attention_step(*leaves[:4], plain[4], backend="triton")
+    assert calls == [True]
+    with torch.no_grad():
+        le.lightning_attention_step(*leaves, backend="triton")
+    without = le.lightning_attention_step(*plain, backend="triton")
+    assert calls == [True]  # grad mode off, or nothing requiring grad: the kernel's launch alone
+    assert all(torch.equal(a, b) for a, b in zip(with_grad, without))  # and the same bits either way

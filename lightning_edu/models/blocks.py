@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..api import hybrid_attention, lightning_attention, normalized_attention
 from ..feature_maps import LearnedReLU2
-from ..validation import validate_int
+from ..validation import validate_decay, validate_int, validate_tokens
 from .decay import decay_schedule
 
 __all__ = ["ATTENTIONS", "MLPS", "SIZES", "RMSNorm", "SwiGLU", "Attention", "Block", "Decoder", "llama", "tnl",
@@ -162,10 +162,9 @@ class Attention(nn.Module):
             decay = "alibi" if self.kind in _LIGHTNING else 1.0
         if isinstance(decay, str):
             return decay_schedule(decay, self.heads, layer, layers)
-        lambdas = np.broadcast_to(np.asarray(decay, dtype=np.float64), (self.heads,)).copy()
-        if not np.all((lambdas > 0) & (lambdas <= 1)):
-            raise ValueError(f"decay values must lie in (0, 1], got {lambdas}")
-        return lambdas
+        # checked as lightning_attention checks it: a float or one value per head in (0, 1]; not a bool, and not
+        # a tensor that requires grad (the buffer is not trained: that gradient would be dropped)
+        return validate_decay(decay, self.heads)
 
     def split_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v, each (batch, heads, n, head_dim), from x (batch, n, d_model)."""
@@ -272,11 +271,14 @@ class Decoder(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if not torch.is_tensor(tokens) or tokens.dtype not in (torch.int32, torch.int64) or tokens.ndim != 2:
-            raise TypeError("tokens must be an int32/int64 tensor of shape (batch, n)")
-        if tokens.shape[1] > self.max_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_len={self.max_len}")
-        x = self.embed(tokens)
+        """Logits (batch, n, vocab) of tokens (batch, n), ids in [0, vocab). Ids on the CPU are checked on the host
+        (ValueError); on a GPU reading them would make the host wait on every step, so there an id out of range
+        gives NaN logits (its row of the embedding is NaN) instead of a device-side assert."""
+        if not validate_tokens(tokens, self.vocab, self.max_len):  # not read on the host: checked on the device
+            bad = (tokens < 0) | (tokens >= self.vocab)
+            x = self.embed(tokens.clamp(0, self.vocab - 1)).masked_fill(bad[..., None], float("nan"))
+        else:
+            x = self.embed(tokens)
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.checkpoint and torch.is_grad_enabled() else block(x)
         return F.linear(self.norm(x), self.embed.weight)

@@ -108,8 +108,13 @@ def mqar_batches(batch: int, seq_len: int, pairs: int, vocab: int, seed: int = 0
     """An endless stream of fresh MQAR batches from one generator seeded with ``seed`` (for training).
 
     Every batch is new: the model never sees a sequence twice, so what it learns is the lookup, not the data.
+    The arguments are checked by this call, as :func:`mqar_batch` checks them, not at the first ``next()``.
     """
     batch, seq_len, pairs, vocab = _check(batch, seq_len, pairs, vocab)
     rng = np.random.default_rng(validate_int("seed", seed, 0))
+    return _stream(rng, batch, seq_len, pairs, vocab)
+
+
+def _stream(rng: np.random.Generator, batch: int, seq_len: int, pairs: int, vocab: int):
     while True:
         yield _sample(rng, batch, seq_len, pairs, vocab)

@@ -218,8 +218,14 @@ def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
     o has v's dtype, final_state is float32.
     bfloat16 inputs off CUDA (the CPU interpreter) are computed in float32 and o is returned as bfloat16;
     gradients flow back to the bfloat16 leaves as bfloat16. The forward keeps its segment states for the backward
-    only when a gradient can be asked for (grad mode on and an input requiring one)."""
-    log2_decay = log2_decay_tensor(decay, q.device)
+    only when a gradient can be asked for (grad mode on and an input requiring one).
+    A decay that requires grad gets its log2 in float64 (the kernels read it rounded to float32, as ever): the
+    gradient that comes back through it, d/d(log2 lambda) = ln 2 lambda dL/dlambda, is subnormal in float32 for a
+    float32 lambda near its smallest values (1e-45 .. 1e-37) and would lose most of its digits there."""
+    if torch.is_tensor(decay) and decay.requires_grad and torch.is_grad_enabled():
+        log2_decay = torch.log2(device_decay(decay, q.device, torch.float64))
+    else:
+        log2_decay = log2_decay_tensor(decay, q.device)
     inputs = (q, k, v, log2_decay, initial_state)
     save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
     if torch.compiler.is_compiling() or q.is_meta or not all(x is None or type(x) in _PLAIN for x in inputs):

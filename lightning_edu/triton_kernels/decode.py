@@ -10,16 +10,30 @@ two bytes, so the step is bound by memory, never by the tensor cores. The kernel
 reduction over d_k; it has no tl.dot, so it runs for any head dims in the CPU interpreter as on a GPU. One
 launch covers every (batch, head) and a slice of BLOCK_DV columns of the state; q, k and v may be fp32, fp16
 or bf16 (upcast after loading), the state stays fp32.
+
+The backend's step, :func:`step_kernels`, is also the custom op ``lightning_edu::decode_step``::
+
+    lightning_edu::decode_step(Tensor q, Tensor k, Tensor v, Tensor? state, Tensor log2_decay)
+                               -> (Tensor o, Tensor new_state)
+
+with a fake (the outputs' shapes and dtypes, for torch.compile and meta tensors) and a registered backward in
+float32 torch ops (a step's gradients are a handful of outer and matrix-vector products, as memory-bound as the
+step: no kernel of their own). The hook calls the op only when a gradient can follow or under torch.compile,
+and the kernel's launch alone otherwise: a decoding loop pays nothing for the dispatcher.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from ._tiles import cdiv, dense, head_start, launch, pad_dim, refuse_interpreted_bf16
+from ._tiles import cdiv, dense, head_start, launch, pad_dim, refuse_interpreted_bf16, upcast_for_interpreter
 
-__all__ = ["decode_step"]
+__all__ = ["decode_step", "step_kernels", "decode_op"]
 
 
 @triton.jit(do_not_specialize=["H"])
@@ -56,8 +70,6 @@ def decode_step(q, k, v, state, log2_decay, out_state=None, block_v: int | None 
     d_v) or None (zeros); log2_decay: float32 (heads,). o has q's dtype; new_state is float32, written into
     ``out_state`` when given (which may be ``state`` itself: an in-place step for a decode loop).
     bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
-    import torch
-
     refuse_interpreted_bf16("decode_step", q, k, v)
     batch, heads, d_k = q.shape
     d_v = v.shape[-1]
@@ -77,3 +89,65 @@ def decode_step(q, k, v, state, log2_decay, out_state=None, block_v: int | None 
                                  D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_v, HAS_STATE=state is not None,
                                  num_warps=num_warps)
     return o, out_state
+
+
+def step_kernels(q, k, v, state, log2_decay):
+    """(o in v's dtype, new_state float32) of one step of the backend, by one launch of the kernel: what
+    ``lightning_attention_step(..., backend="triton")`` runs. q, k, v: (batch, heads, d) as validated (any strides:
+    copied when not dense); state (batch, heads, d_k, d_v) of any float dtype, or None; log2_decay (heads,), read by
+    the kernel as float32 (a float64 one, a learnable decay's, is rounded first).
+    In the CPU interpreter bfloat16 q, k, v are computed in float32 and o rounded to bfloat16 (its bf16 arithmetic is
+    wrong). Called directly when no gradient can follow (the decoding loop: nothing but the launch), through the
+    op :func:`decode_op` otherwise."""
+    qc, kc, vc = upcast_for_interpreter(*(dense(x) for x in (q, k, v)))
+    o, new_state = decode_step(qc, kc, vc, dense(state), log2_decay.float().contiguous())
+    return o.to(v.dtype), new_state
+
+
+@torch.library.custom_op("lightning_edu::decode_step", mutates_args=())
+def decode_op(q: Tensor, k: Tensor, v: Tensor, state: Tensor | None, log2_decay: Tensor) -> tuple[Tensor, Tensor]:
+    """(o in v's dtype, new_state float32): :func:`step_kernels` as one node of an autograd or compiled graph."""
+    return step_kernels(q, k, v, state, log2_decay)
+
+
+@decode_op.register_fake
+def _decode_op_fake(q, k, v, state, log2_decay):
+    batch, heads, d_k = q.shape
+    d_v = v.shape[-1]
+    return v.new_empty((batch, heads, d_v)), q.new_empty((batch, heads, d_k, d_v), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, state, log2_decay = inputs
+    ctx.set_materialize_grads(False)  # an unused o or new state costs nothing
+    ctx.save_for_backward(q, k, v, state, log2_decay, output[1])
+
+
+def _decode_backward(ctx, do, d_new):
+    """The step's gradients in torch ops, in float32 (the state's dtype). With S' = lambda S + k^T v and o = q S',
+    G = dL/dS' + q^T dL/do (the new state reaches the loss directly and through o) gives dq = dL/do S'^T,
+    dk = G v^T, dv = k G, d state = lambda G and dL/dlambda = sum(S * G) over batch, d_k and d_v; exact, as the
+    torch step's autograd is, and differentiable again (S' is the op's own output, q, k, v the inputs)."""
+    q, k, v, state, log2_decay, new_state = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    if do is None and d_new is None:
+        return None, None, None, None, None
+    qf, kf, vf = (x.float() for x in (q, k, v))
+    grad = d_new.float() if d_new is not None else None
+    if do is not None:
+        from_o = qf[..., :, None] * do.float()[..., None, :]  # q^T dL/do, (batch, heads, d_k, d_v)
+        grad = from_o if grad is None else grad + from_o
+    dq = (new_state @ do.float()[..., :, None])[..., 0].to(q.dtype) if needs[0] and do is not None else None
+    dk = (grad @ vf[..., :, None])[..., 0].to(k.dtype) if needs[1] else None
+    dv = (kf[..., None, :] @ grad)[..., 0, :].to(v.dtype) if needs[2] else None
+    d_state = d_log2 = None
+    if state is not None and needs[3]:
+        lam = torch.exp2(log2_decay.float())[None, :, None, None]  # the kernel's lambda, exp2 of the float32 log2
+        d_state = (lam * grad).to(state.dtype)
+    if state is not None and needs[4]:  # dL/d log2(lambda) = ln 2 lambda dL/dlambda, the factor in float64
+        d_lam = (state.float() * grad).sum(dim=(0, 2, 3))
+        d_log2 = (d_lam.double() * torch.exp2(log2_decay.double()) * math.log(2.0)).to(log2_decay.dtype)
+    return dq, dk, dv, d_state, d_log2
+
+
+decode_op.register_autograd(_decode_backward, setup_context=_setup_context)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ..validation import device_decay
 from . import log2_decay_tensor, tiles_for, triton_attention
 from ._tiles import cdiv, dense, upcast_for_interpreter
+from .decode import decode_op, step_kernels
 from .la1 import la1_backward, la1_forward
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
@@ -25,6 +27,9 @@ __all__ = [
     "tma_from_args",
     "decode_from_args",
 ]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # the tensors that run the launchers eagerly; subclasses go through ops
 
 
 def _tensors(*xs):
@@ -84,20 +89,45 @@ def la2_fast_from_args(args, segments: bool = True, reuse_states: bool = True, f
 
 def la2_fast_backward_from_args(args, d_final_state=None, segments: bool = True, reuse_states: bool = True,
                                 fused_dkdv: bool = False, **options):
-    """The backend's backward kernels, or their sub-variants' (see :func:`la2_fast_from_args`). On meta tensors (a
-    model traced on the meta device, no data) the op's fake gives the gradients' shapes and dtypes, as the forward
-    does (:func:`~lightning_edu.triton_kernels.triton_attention`)."""
-    if args.q.is_meta:
-        from .ops import la2_backward
+    """The backend's backward kernels, or their sub-variants' (see :func:`la2_fast_from_args`): the backward of
+    :func:`lightning_edu.lightning_attention_backward`. Eager calls on plain tensors run the launchers here
+    (:func:`_fast_backward`); under :func:`torch.compile`, on meta tensors (a model traced on the meta device, no
+    data) and on other tensor subclasses the same code runs as the custom op ``lightning_edu::la2_fast_backward``
+    (:func:`fast_backward_op`), one node to Dynamo, whose fake gives the gradients' shapes and dtypes."""
+    inputs = (args.q, args.k, args.v, args.do, args.initial_state, d_final_state)
+    log2_decay = log2_decay_tensor(args.decay, args.q.device)
+    if torch.compiler.is_compiling() or args.q.is_meta or not all(x is None or type(x) in _PLAIN for x in inputs):
+        return fast_backward_op(args.q, args.k, args.v, args.do, log2_decay, args.initial_state, d_final_state,
+                                args.block_size, segments, fused_dkdv)
+    return _fast_backward(args.q, args.k, args.v, args.do, log2_decay, args.initial_state, d_final_state,
+                          args.block_size, segments, fused_dkdv)
 
-        nothing_saved = args.q.new_empty(0, dtype=torch.float32)
-        return la2_backward(args.q, args.k, args.v, args.do, log2_decay_tensor(args.decay, args.q.device),
-                            args.initial_state, d_final_state, nothing_saved, args.block_size)
-    q, k, v, do = _tensors(args.q, args.k, args.v, args.do)
-    cfg, extra = _la2_fast_config(args, q, segments, fused_dkdv)
-    dq, dk, dv, ds0 = la2_fast_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
-                                        d_final_state, **cfg, **extra)
-    return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), ds0
+
+def _fast_backward(q, k, v, do, log2_decay, initial_state, d_final_state, block_size, segments, fused_dkdv):
+    """(dq, dk, dv in the dtypes of q, k, v, d_initial_state fp32) by la2_fast_backward, without saved states: its
+    own pre-pass gives the segment states (the forward's are not at hand). The gradients are contiguous."""
+    qc, kc, vc, doc = _tensors(q, k, v, do)
+    cfg = tiles_for(qc, v, block_size)
+    if not segments:  # one segment: the whole sequence, in whole blocks
+        cfg["seg_len"] = cdiv(q.shape[2], cfg["block"]) * cfg["block"]
+    extra = dict(fused_dkdv=True, dkdv_block=64, dkdv_warps=8) if fused_dkdv else {}
+    dq, dk, dv, ds0 = la2_fast_backward(qc, kc, vc, doc, log2_decay, initial_state, d_final_state, **cfg, **extra)
+    return _back(dq, q), _back(dk, k), _back(dv, v), ds0
+
+
+@torch.library.custom_op("lightning_edu::la2_fast_backward", mutates_args=())
+def fast_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, log2_decay: torch.Tensor,
+                     initial_state: torch.Tensor | None, d_final_state: torch.Tensor | None, block_size: int | None,
+                     segments: bool, fused_dkdv: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_fast_backward` as an op (no autograd: the gradients it returns have no backward of their own)."""
+    return _fast_backward(q, k, v, do, log2_decay, initial_state, d_final_state, block_size, segments, fused_dkdv)
+
+
+@fast_backward_op.register_fake
+def _fast_backward_fake(q, k, v, do, log2_decay, initial_state, d_final_state, block_size, segments, fused_dkdv):
+    batch, heads, _, d_k = q.shape
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty((batch, heads, d_k, v.shape[-1]), dtype=torch.float32))
 
 
 def la3_backward_from_args(args, d_final_state=None, **options):
@@ -130,10 +160,29 @@ def tma_from_args(args, **options):
 
 
 def decode_from_args(args, **options):
-    """One decoding step (a :class:`~lightning_edu.validation.StepArgs`): (o in v's dtype, new_state float32)."""
-    from .decode import decode_step
+    """One decoding step (a :class:`~lightning_edu.validation.StepArgs`): (o in v's dtype, new_state float32).
 
-    q, k, v = _tensors(args.q, args.k, args.v)
-    state = dense(args.state)
-    o, new_state = decode_step(q, k, v, state, log2_decay_tensor(args.decay, q.device))
-    return _back(o, args.v), new_state
+    With no gradient to follow (grad mode off, or nothing requiring one: a decoding loop), the kernel's launch
+    alone (:func:`~.decode.step_kernels`). Otherwise, and under :func:`torch.compile` or for tensor subclasses,
+    the custom op ``lightning_edu::decode_step`` (:func:`~.decode.decode_op`), whose registered backward gives
+    the gradients of q, k, v, the state and a learnable decay."""
+    if torch.is_tensor(args.decay) and args.decay.requires_grad and torch.is_grad_enabled():
+        # log2 in float64, as triton_attention takes it: the kernel reads it rounded to float32, and the gradient
+        # back through it, ln 2 lambda dL/dlambda, keeps its digits where float32 would make it subnormal
+        log2_decay = torch.log2(device_decay(args.decay, args.q.device, torch.float64))
+    else:
+        log2_decay = log2_decay_tensor(args.decay, args.q.device)
+    inputs = (args.q, args.k, args.v, args.state, log2_decay)
+    return decode_op(*inputs) if _needs_op(inputs) else step_kernels(*inputs)
+
+
+def _needs_op(inputs) -> bool:
+    """Whether a step goes through its op: under torch.compile, for a tensor subclass, or when a gradient can follow
+    (grad mode on and an input requiring one). One pass over the inputs: this runs before every decoding step."""
+    if torch.compiler.is_compiling():
+        return True
+    grad = torch.is_grad_enabled()
+    for x in inputs:
+        if x is not None and (type(x) not in _PLAIN or grad and x.requires_grad):
+            return True
+    return False

@@ -343,10 +343,12 @@ def _backward(ctx, do, d_sn, _d_incoming, backward=None):
     log2_decay = log2_decay.detach()
     dq, dk, dv, ds0 = backward(q, k, v, do, log2_decay, initial_state, d_sn, incoming, ctx.block_size)
     d_log2 = None
-    if needs[3]:  # a learnable decay: the tangent pass in torch ops; d/d(log2 lambda) = ln 2 d/d(ln lambda)
+    if needs[3]:  # a learnable decay: the tangent pass in torch ops; d/d(log2 lambda) = ln 2 lambda d/dlambda
+        # (dL/dlambda first, then the factor lambda in float64: see decay_gradient and log2_decay_tensor)
         qc, kc, vc, doc = upcast_for_interpreter(q, k, v, do)
         lam = torch.exp2(log2_decay.double())
-        d_log2 = (decay_gradient(qc, kc, vc, doc, lam, initial_state, d_sn) * math.log(2.0)).to(log2_decay.dtype)
+        d_lam = decay_gradient(qc, kc, vc, doc, lam, initial_state, d_sn, wrt="lambda")
+        d_log2 = (d_lam * lam * math.log(2.0)).to(log2_decay.dtype)
     d_state = ds0.to(initial_state.dtype) if initial_state is not None and needs[4] else None
     return dq, dk, dv, d_log2, d_state, None, None
 
