@@ -39,6 +39,7 @@ from lightning_edu.assignments import (
     student_source,
 )
 from lightning_edu.book import chapters, repo_root
+from course_fixtures import chapter_four
 
 ROOT = repo_root()
 CHAPTERS = chapters(ROOT)
@@ -132,24 +133,8 @@ def test_instructors_md_lists_the_points_of_every_chapter():
 # ------------------------------------------------------------------------------------------- normalise
 
 
-def _old_layout():
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [
-        nbformat.v4.new_markdown_cell("# Chapter 4: x"),
-        nbformat.v4.new_markdown_cell("## Summary\n\n- s\n\n## Exercises"),
-        nbformat.v4.new_markdown_cell("### Exercise 4.1: one\n\nWrite `f`."),
-        nbformat.v4.new_code_cell("from lightning_edu.exercises.ch04 import check_intra_block\n\n"
-                                  f"def f(q, k, v, lam):\n    {BEGIN_SOLUTION}\n    return q\n    {END_SOLUTION}\n\n"
-                                  "check_intra_block(f)"),
-        nbformat.v4.new_markdown_cell("### Exercise 4.2: two\n\nWrite `g`."),
-        nbformat.v4.new_code_cell(f"def g(kv, k, v, lam):\n    {BEGIN_SOLUTION}\n    return kv\n    {END_SOLUTION}"),
-        nbformat.v4.new_code_cell("from lightning_edu.exercises.ch04 import check_state_update\n\ncheck_state_update(g)"),
-    ]
-    return nb
-
-
 def test_normalise_splits_the_check_from_the_answer_and_is_idempotent():
-    nb = _old_layout()
+    nb = chapter_four(summary=True)
     once = normalise(nb, points={"4.2": 3})
     assert len(once.cells) == 8 and len(nb.cells) == 7  # the input is left alone
     answer, check = once.cells[3], once.cells[4]
@@ -176,7 +161,7 @@ def test_normalise_splits_the_check_from_the_answer_and_is_idempotent():
     (lambda nb: nb.cells.pop(2), "exercise numbers repeat"),
 ], ids=["no-heading", "markers-in-markdown", "no-check", "extra-code-in-check", "one-statement-missing"])
 def test_normalise_refuses_what_it_cannot_read(edit, words):
-    nb = _old_layout()
+    nb = chapter_four(summary=True)
     if words == "exercise numbers repeat":
         nb.cells[4].source = "### Exercise 4.1: again"
         words = "exercise numbers repeat"
@@ -188,12 +173,12 @@ def test_normalise_refuses_what_it_cannot_read(edit, words):
 
 def test_points_for_an_unknown_exercise_are_refused():
     with pytest.raises(NotNormalisable, match=r"\['4.9'\]"):
-        normalise(_old_layout(), points={"4.9": 2})
+        normalise(chapter_four(summary=True), points={"4.9": 2})
 
 
 def test_the_command_line_normalises_in_place_and_checks(tmp_path, capsys):
     path = tmp_path / "04_x.ipynb"
-    nbformat.write(_old_layout(), str(path))
+    nbformat.write(chapter_four(summary=True), str(path))
     assert assignments.main(["normalise", "--check", str(path)]) == 1
     assert assignments.main(["normalise", str(path), "--points", "4.1=2"]) == 0
     assert assignments.main(["normalise", "--check", str(path)]) == 0

@@ -11,30 +11,13 @@ import nbformat
 import pytest
 
 from lightning_edu import assignments
-from lightning_edu.assignments import BEGIN_SOLUTION, END_SOLUTION
-
-
-def _chapter_four():
-    """A small chapter 4 with exercises 4.1 and 4.2 (their checks those of lightning_edu.exercises.ch04)."""
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [
-        nbformat.v4.new_markdown_cell("# Chapter 4: x"),
-        nbformat.v4.new_markdown_cell("## Exercises"),
-        nbformat.v4.new_markdown_cell("### Exercise 4.1: one\n\nWrite `f`."),
-        nbformat.v4.new_code_cell("from lightning_edu.exercises.ch04 import check_intra_block\n\n"
-                                  f"def f(q, k, v, lam):\n    {BEGIN_SOLUTION}\n    return q\n    {END_SOLUTION}\n\n"
-                                  "check_intra_block(f)"),
-        nbformat.v4.new_markdown_cell("### Exercise 4.2: two\n\nWrite `g`."),
-        nbformat.v4.new_code_cell(f"def g(kv, k, v, lam):\n    {BEGIN_SOLUTION}\n    return kv\n    {END_SOLUTION}"),
-        nbformat.v4.new_code_cell("from lightning_edu.exercises.ch04 import check_state_update\n\ncheck_state_update(g)"),
-    ]
-    return nb
+from course_fixtures import chapter_four
 
 
 @pytest.fixture
 def chapter(tmp_path):
     path = tmp_path / "04_x.ipynb"
-    nbformat.write(_chapter_four(), str(path))
+    nbformat.write(chapter_four(), str(path))
     return path
 
 
@@ -112,7 +95,7 @@ def _only_writing(monkeypatch, fails):
 
 def test_a_normalise_that_cannot_write_puts_back_what_it_wrote(capsys, monkeypatch, tmp_path, chapter):
     second = tmp_path / "04_y.ipynb"
-    nbformat.write(_chapter_four(), str(second))
+    nbformat.write(chapter_four(), str(second))
     before = chapter.read_bytes(), second.read_bytes()
     _only_writing(monkeypatch, lambda path: path == str(second))
     _refused(capsys, ["normalise", str(chapter), str(second)], "cannot write", str(second), "Read-only file system")
