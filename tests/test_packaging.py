@@ -53,9 +53,18 @@ def environment_specs() -> tuple[list[str], list[str]]:
     return conda, pip
 
 
+def constraints() -> dict:
+    """{canonical name: SpecifierSet} of constraints.txt, the versions the book is tested with."""
+    lines = [ln.split("#")[0].strip() for ln in (ROOT / "constraints.txt").read_text().splitlines()]
+    return normalised([ln for ln in lines if ln])
+
+
 def test_environment_yml_lists_the_same_dependencies_as_pyproject():
+    """The same names as pyproject's dependencies and dev extra, each at the book's pin where constraints.txt has
+    one (a conda environment is the book's environment) and at pyproject's specifier otherwise."""
     project = pyproject()["project"]
     wanted = normalised(project["dependencies"] + project["optional-dependencies"]["dev"])
+    wanted.update({n: s for n, s in constraints().items() if n in wanted})
     wanted["python"] = Requirement("python" + project["requires-python"]).specifier
     conda, pip = environment_specs()
     assert "-e ." in pip, "environment.yml must install lightning_edu itself (`-e .` in the pip section)"
@@ -81,10 +90,22 @@ def test_environment_yml_uses_conda_forge_and_a_name():
     assert isinstance(env["name"], str) and env["name"]
 
 
-def test_torch_and_triton_are_pinned():
-    deps = normalised(pyproject()["project"]["dependencies"])
-    assert str(deps["torch"]) == "==2.13.0"
-    assert str(deps["triton"]) == "==3.7.1"
+def test_the_book_pins_torch_and_triton_inside_the_ranges_the_package_supports():
+    deps, pins = normalised(pyproject()["project"]["dependencies"]), constraints()
+    assert (str(pins["torch"]), str(pins["triton"])) == ("==2.13.0", "==3.7.1")
+    assert set(pins) <= set(deps), "constraints.txt pins only the package's own dependencies"
+    for name, pin in pins.items():
+        (version,) = [spec.version for spec in pin]
+        assert version in deps[name], f"{name} {version} is outside pyproject's {deps[name]}"
+    # a GPU machine's CUDA build stays: torch 2.11 with Triton 3.6 lie in the ranges; no unbounded range
+    assert "2.11.0" in deps["torch"] and "3.6.0" in deps["triton"]
+    assert all(any(spec.operator in ("<", "<=", "==") for spec in deps[n]) for n in ("torch", "triton"))
+
+
+def test_setup_installs_with_the_constraints():
+    setup = (ROOT / ".ci/setup").read_text()
+    installs = [ln for ln in setup.splitlines() if "pip install" in ln and "-e " in ln]
+    assert installs and all("-c constraints.txt" in ln for ln in installs)
 
 
 def test_dev_extra_holds_the_test_tools():
