@@ -11,9 +11,14 @@ per Triton record whose ``bench`` defaults are set.
 Every record's ``forward`` and ``backward`` take arguments that :mod:`lightning_edu.validation` has already
 checked (an :class:`~lightning_edu.validation.AttentionArgs`), so nothing validates twice:
 
-* ``forward(args, **options) -> (o, final_state)``, final_state None where ``final_state`` is False;
-* ``backward(args, d_final_state, **options) -> (dq, dk, dv, d_initial_state)``, d_initial_state None
+* ``forward(args, *, option=...) -> (o, final_state)``, final_state None where ``final_state`` is False;
+* ``backward(args, d_final_state, *, option=...) -> (dq, dk, dv, d_initial_state)``, d_initial_state None
   where ``initial_state`` is False.
+
+A hook names the options it takes as parameters (keyword-only in the Triton rung's :mod:`.triton_kernels.hooks`);
+a ``**`` catch-all declares none. The record passes each hook the options it declares, and refuses, with a
+TypeError naming the implementation, the option and the options that hook takes, a keyword the hook does not
+declare and a record option neither of its hooks declares: a misspelt option is an error, never ignored.
 
 A record's ``op`` says which function it computes: "attention", the whole sequence above, or "step", one
 decoding step ``KV = lambda KV + k^T v``, ``o = q KV`` for one token per batch and head. A step record's
@@ -29,6 +34,7 @@ Adding a rung or a variant (a recompute-heavy backward, a decoding kernel) is on
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -54,14 +60,40 @@ def _resolve(path: str | None) -> Callable | None:
     return getattr(loaded if loaded is not None else importlib.import_module(module), name)
 
 
+# (hook path, "forward" or "backward") -> the options that hook declares, filled on a hook's first use (for the
+# backends at import, below: a call that torch.compile traces then finds them here and inspects nothing)
+_DECLARED: dict[tuple[str, str], frozenset[str]] = {}
+_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _declared(path: str, fn: Callable, role: str) -> frozenset[str]:
+    """The options a hook declares: its parameters that a keyword can set, after ``args`` (and, for a backward,
+    ``d_final_state``); a ``**`` catch-all declares none, since the registry never passes it anything."""
+    key = (path, role)
+    declared = _DECLARED.get(key)
+    if declared is None:
+        leading = 1 if role == "forward" else 2
+        params = list(inspect.signature(fn).parameters.values())[leading:]
+        declared = _DECLARED[key] = frozenset(p.name for p in params if p.kind in _KEYWORD)
+    return declared
+
+
+def _accepted(declared: frozenset[str]) -> str:
+    return f"takes the options {sorted(declared)}" if declared else "takes no options"
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One form of the function on one rung.
 
-    ``forward``/``backward`` are "module:function" paths, imported on first use so that importing the
-    registry never imports Triton. ``options`` are fixed keyword arguments that make this variant (e.g.
-    ``fused_dkdv=True``); ``bench`` holds its benchmark defaults, or is None when it is not benchmarked.
-    ``op`` is the function it computes, one of :data:`OPS`: "attention" (a sequence) or "step" (one token).
+    ``forward``/``backward`` are "module:function" paths, imported on first use, so that a record's module is
+    imported only when it runs; the backends' modules are the exception, imported with the registry (see the end
+    of this module), the Triton rung's kernels among them. (Triton itself is imported before that, where it is
+    installed, by torch's :mod:`torch._dynamo`, which :mod:`.torch_chunked` imports.) ``options`` are fixed
+    keyword arguments that make this variant (e.g. ``fused_dkdv=True``); each goes to the hooks that declare it,
+    and one that neither hook declares is refused when a hook is looked up (:meth:`options_for`). ``bench`` holds
+    its benchmark defaults, or is None when it is not benchmarked. ``op`` is the function it computes, one of
+    :data:`OPS`: "attention" (a sequence) or "step" (one token).
     """
 
     name: str
@@ -84,14 +116,41 @@ class Implementation:
     @property
     def forward(self) -> Callable:
         fn = _resolve(self.forward_path)
-        return lambda args, **kw: fn(args, **{**self.options, **kw})
+        options = self.options_for("forward", fn) if self.options else {}  # a backend's call: nothing to check
+        return lambda args, **kw: fn(args, **(self.options_for("forward", fn, kw) if kw else options))
 
     @property
     def backward(self) -> Callable | None:
         fn = _resolve(self.backward_path)
         if fn is None:
             return None
-        return lambda args, d_final_state=None, **kw: fn(args, d_final_state, **{**self.options, **kw})
+        options = self.options_for("backward", fn) if self.options else {}
+        return lambda args, d_final_state=None, **kw: fn(args, d_final_state,
+                                                         **(self.options_for("backward", fn, kw) if kw else options))
+
+    def declared_options(self, role: str) -> frozenset[str]:
+        """The options the ``role`` ("forward" or "backward") hook declares; empty where there is no such hook."""
+        path = self.forward_path if role == "forward" else self.backward_path
+        return frozenset() if path is None else _declared(path, _resolve(path), role)
+
+    def options_for(self, role: str, fn: Callable | None = None, given: Mapping[str, Any] | None = None) -> dict:
+        """The keywords the ``role`` hook is called with: this record's options that it declares, then ``given``
+        (a caller's), over them. A given option the hook does not declare, or a record option neither hook
+        declares, is a TypeError naming this implementation, the option and the options the hook takes."""
+        path = self.forward_path if role == "forward" else self.backward_path
+        declared = _declared(path, fn if fn is not None else _resolve(path), role)
+        for name in given or ():
+            if name not in declared:
+                raise TypeError(f"implementation {self.name!r}: its {role} ({path}) takes no option {name!r}; "
+                                f"it {_accepted(declared)}")
+        mine = {name: value for name, value in self.options.items() if name in declared}
+        if len(mine) < len(self.options):
+            other = self.declared_options("backward" if role == "forward" else "forward")
+            for name in self.options:
+                if name not in declared and name not in other:
+                    raise TypeError(f"implementation {self.name!r} is registered with option {name!r}, which "
+                                    f"neither of its hooks takes; its {role} ({path}) {_accepted(declared)}")
+        return {**mine, **given} if given else mine
 
     @property
     def has_backward(self) -> bool:
@@ -276,7 +335,9 @@ register(Implementation(
 
 # The backends' modules are imported now, once: ``lightning_attention`` looks its backend up on every call, and
 # a call that torch.compile traces cannot import a module (Dynamo refuses importlib), so a model compiled
-# before its first eager call would otherwise break its graph there.
+# before its first eager call would otherwise break its graph there. Resolving also files the options their hooks
+# declare (``_DECLARED``), so a traced call inspects no signature either. This imports the Triton rung's hooks
+# and kernels with the registry.
 for _impl in _BACKENDS.values():
-    _impl.forward, _impl.backward  # noqa: B018  (resolving a path imports its module)
+    _impl.declared_options("forward"), _impl.declared_options("backward")  # resolving a path imports its module
 del _impl

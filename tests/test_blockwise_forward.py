@@ -93,22 +93,3 @@ def test_property_block_size_does_not_change_the_answer(shape, decay, b1, b2, se
     o1, s1 = lightning_attention(q, k, v, decay, backend="numpy", block_size=b1, return_state=True)
     o2, s2 = lightning_attention(q, k, v, decay, backend="numpy", block_size=b2, return_state=True)
     assert relative_error(o1, o2) < 1e-12 and relative_error(s1, s2) < 1e-12
-
-
-@given(shape=shapes, decay=decays, cut=st.floats(0, 1), block=st.integers(1, 40), seed=st.integers(0, 2**16))
-def test_property_split_the_sequence_and_carry_the_state(shape, decay, cut, block, seed):
-    n, d_k, d_v = shape
-    split = min(max(1, round(cut * n)), n - 1) if n > 1 else None
-    q, k, v = random_qkv(batch=2, heads=1, n=n, d_k=d_k, d_v=d_v, seed=seed)
-    whole, whole_state = lightning_attention(q, k, v, decay, backend="numpy", block_size=block, return_state=True)
-    if split is None:
-        return
-    first, carried = lightning_attention(
-        q[:, :, :split], k[:, :, :split], v[:, :, :split], decay, backend="numpy", block_size=block, return_state=True
-    )
-    second, final = lightning_attention(
-        q[:, :, split:], k[:, :, split:], v[:, :, split:], decay, backend="numpy", block_size=block,
-        initial_state=carried, return_state=True,
-    )
-    assert relative_error(np.concatenate([first, second], axis=2), whole) < 1e-12
-    assert relative_error(final, whole_state) < 1e-12

@@ -314,13 +314,10 @@ def _docstring_example() -> str:
     return textwrap.dedent(doc[start:doc.index("\n\nGrading runs", start)]).strip() + "\n"
 
 
-TORCH_SOURCE = _docstring_example()  # correct and quadratic: what the docstring promises, tested here
-
-
-def test_the_docstring_example_is_a_whole_submission():
-    assert TORCH_SOURCE.startswith("import torch\n") and "def forward(q, k, v, log2_decay):" in TORCH_SOURCE
-    for needle in ("gap >= 0,", "log2_decay.float()[:, None, None] * gap"):  # what the planted slips below replace
-        assert needle in TORCH_SOURCE
+# Correct and quadratic, what the docstring promises: it loads and passes the check below and ranks first in the
+# graded folders. The planted slips replace its text; each graded one must then be refused by name, so a slip whose
+# text the example no longer holds fails there.
+TORCH_SOURCE = _docstring_example()
 
 
 @pytest.mark.parametrize("source, expected", [

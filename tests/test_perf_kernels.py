@@ -105,12 +105,13 @@ def test_the_ncu_command_reads_every_metric_with_the_clocks_left_alone():
     assert "--kernel-name" not in kernels.ncu_command(None)  # the library's forward: every kernel it launches
 
 
-def test_the_h100_record_is_consistent_with_itself():
-    """The chapters read the derived columns; they must follow from the counters the record keeps."""
+def test_the_h100_record_was_made_by_the_code_as_it_stands():
+    """The chapters read the record as this module writes it today: the same ncu command (metrics, kernels), the
+    passes in the program's order, every metric, and each of our launches a kernel of the backend's with what the
+    compiler reported. (Its derived columns follow from its counters by label_launches, tested above.)"""
     record = json.loads(RECORD.read_text())
-    assert record["machine"].startswith("NVIDIA H100") and record["ncu_command"] == " ".join(kernels.ncu_command())
+    assert record["ncu_command"] == " ".join(kernels.ncu_command())
     for shape in record["results"]:
-        assert shape["tensor_bytes"] == shape["batch"] * shape["heads"] * shape["T"] * shape["D"] * 2
         passes = [x["pass"] for x in shape["launches"]]
         assert passes == sorted(passes, key=["forward", "training forward", "training backward", kernels.ANCHOR].index)
         for x in shape["launches"]:
@@ -118,10 +119,6 @@ def test_the_h100_record_is_consistent_with_itself():
             if x["pass"] != kernels.ANCHOR:  # ours: the backend's kernels, with what the compiler reported
                 assert x["kernel"] in kernels.KERNELS
                 assert {"spilled_words", "shared_bytes", "warps", "stages"} <= set(x)
-            assert x["time_us"] == round(x["time_ns"] / 1e3, 2)
-            assert x["read_tensors"] == round(x["dram_read_bytes"] / shape["tensor_bytes"], 3)
-            moved = x["dram_read_bytes"] + x["dram_write_bytes"]
-            assert math.isclose(x["dram_TBps"], moved / (x["time_ns"] * 1e-9) / 1e12, abs_tol=1e-3)
 
 
 def test_without_a_gpu_or_ncu_it_says_so_and_writes_nothing(tmp_path, monkeypatch, capsys):

@@ -245,39 +245,20 @@ def recorded(request):
     return SIZE_OF_FILE[request.param], json.loads(path.read_text())
 
 
-def test_recorded_header(recorded):
-    size, record = recorded
-    assert "H100" in record["machine"]
-    assert re.fullmatch(r"[0-9a-f]{7,40}", record["commit"])  # the commit, abbreviated or whole
-    assert record["command"].startswith("python -m lightning_edu.perf.tgs")
-    assert f"--sizes {size}" in record["command"]
-    assert record["autocast"] == "bfloat16" and record["checkpointing"] is True
-    assert record["steps"] >= 1 and record["warmup"] >= 1
+def test_recorded_paper_table_is_the_codes(recorded):
+    _, record = recorded
     assert record["paper"] == json.loads(json.dumps(PAPER_TABLE1))  # the table recorded is the table in the code
 
 
-def test_recorded_results(recorded):
+def test_recorded_models_are_the_codes(recorded):
+    # each model's count, from the Decoder docstring's formula at the size's d_model and layers in the code today:
+    # a size whose shape changed since the record was made fails here (the formula itself: test_build)
     size, record = recorded
-    d = SIZES[size]["d_model"]
-    layers = SIZES[size]["layers"]
-    params = {}
+    d, layers = SIZES[size]["d_model"], SIZES[size]["layers"]
     for r in record["results"]:
-        for key in ("size", "model", "context", "params"):
-            assert key in r, (key, r)
-        assert r["size"] == size and r["model"] in MODELS
-        assert r["batch"] == max(1, record["tokens_per_step"] // r["context"])
-        params.setdefault(r["model"], set()).add(r["params"])
-        if r.get("oom"):
-            assert r["tgs"] is None and r["step_ms"] is None
-            continue
-        assert r["step_ms"] > 0 and r["tgs"] > 0
-        expected = r["batch"] * r["context"] / (r["step_ms"] / 1e3)
-        assert r["tgs"] == pytest.approx(expected, rel=1e-9), r
-        assert 0 < r["peak_GiB"] <= record["memory_GiB"]
-    for model, counts in params.items():
-        assert len(counts) == 1, model  # one model, one size: one parameter count
-        extra = 0 if model == "llama" else d  # TransNormerLLM's output norm
-        assert counts.pop() == _n_params(record["vocab"], d, layers, extra), model
+        assert r["model"] in MODELS, r
+        extra = 0 if r["model"] == "llama" else d  # TransNormerLLM's output norm
+        assert r["params"] == _n_params(record["vocab"], d, layers, extra), r
 
 
 def test_recorded_covers_every_point(recorded):

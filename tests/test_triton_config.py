@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from kernel_cases import cases, kernel_inputs, to_numpy64
 
@@ -209,15 +209,36 @@ def test_a_forward_without_backward_trades_segments_for_slices_at_the_benchmarks
     assert sliced_forward(128, 8192, 32, 64, 132) is None  # d_v <= 32: 32-column slices add no programs
 
 
-@given(batch_heads=st.integers(1, 600), n=st.integers(1, 200_000), d_v=st.sampled_from([16, 32, 48, 64, 96, 128]),
-       block=st.sampled_from([32, 64]), sms=st.sampled_from([4, 108, 132]))
-def test_a_sliced_forward_is_one_segment_that_fills_the_chip(batch_heads, n, d_v, block, sms):
+@st.composite
+def slicing_problems(draw):
+    """(batch_heads, n, d_v, block, sms), batch_heads drawn two times in three next to where the rule switches."""
+    d_v = draw(st.sampled_from([16, 32, 48, 64, 96, 128, 192]))
+    sms = draw(st.sampled_from([4, 108, 132]))
+    edges = (-(-sms // -(-d_v // 64)), -(-_enough(d_v, sms) // -(-d_v // SLICE)))  # idle SMs end; slices fill
+    near = st.sampled_from(edges).flatmap(lambda e: st.integers(max(1, e - 2), e + 2))
+    batch_heads = draw(st.one_of(st.integers(1, 600), near, near))
+    return batch_heads, draw(st.integers(1, 200_000)), d_v, draw(st.sampled_from([32, 64])), sms
+
+
+def _enough(d_v, sms):
+    """sliced_forward's contract: enough programs are one per SM less a tenth with at most two slices, else two
+    per SM less an eighth."""
+    return sms - sms // 10 if -(-d_v // SLICE) <= 2 else 2 * sms - sms // 8
+
+
+@given(slicing_problems())
+@example((64, 8192, 128, 64, 132))  # sliced: d = 128 at the benchmarks' 8K tokens
+@example((64, 1000, 64, 64, 132))  # sliced: d = 64, n not whole blocks
+def test_a_sliced_forward_is_one_segment_that_fills_the_chip(problem):
+    batch_heads, n, d_v, block, sms = problem
+    idle = batch_heads * -(-d_v // 64) < sms  # 64-column slices leave SMs idle
+    fills = batch_heads * -(-d_v // SLICE) >= _enough(d_v, sms)  # 32-column slices give enough programs
     plan = sliced_forward(batch_heads, n, d_v, block, sms)
-    if plan is None:
-        return
-    block_dv, stages, seg_len = plan
-    assert block_dv == SLICE and seg_len % block == 0 and seg_len - block < n <= seg_len  # one segment, every row
-    assert batch_heads * -(-d_v // 64) < sms  # taken only where 64-column slices leave SMs idle
+    assert (plan is not None) == (SLICE < d_v <= 128 and idle and fills), plan
+    if plan is not None:
+        block_dv, stages, seg_len = plan
+        assert block_dv == SLICE and stages == 3
+        assert seg_len % block == 0 and seg_len - block < n <= seg_len  # one segment, every row
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -6,6 +6,9 @@ decoding step) that validation has already checked, make the tensors contiguous 
 ``la2_fast_from_args`` with its default options, which reads strided views in place), and, in Triton's CPU
 interpreter (no CUDA), compute bfloat16 inputs in float32 and round the results back (the interpreter's own
 bf16 arithmetic is wrong); on a GPU bf16 runs in the kernels as it is.
+
+Each hook names the options it takes as keyword-only parameters (most take none); the registry passes a hook only
+the options it declares and refuses any other (:meth:`~lightning_edu.registry.Implementation.options_for`).
 """
 
 from __future__ import annotations
@@ -42,26 +45,26 @@ def _back(x, like):
     return x.to(like.dtype)
 
 
-def la1_from_args(args, **options):
+def la1_from_args(args):
     """LA-1 forward: (o, None); it has no state."""
     q, k, v = _tensors(args.q, args.k, args.v)
     return _back(la1_forward(q, k, v, args.decay, args.block_size), args.v), None
 
 
-def la1_backward_from_args(args, d_final_state=None, **options):
+def la1_backward_from_args(args, d_final_state=None):
     q, k, v, do = _tensors(args.q, args.k, args.v, args.do)
     dq, dk, dv = la1_backward(q, k, v, do, args.decay, args.block_size)
     return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), None
 
 
-def la2_literal_from_args(args, **options):
+def la2_literal_from_args(args):
     q, k, v = _tensors(args.q, args.k, args.v)
     o, sn = la2_literal_forward(q, k, v, log2_decay_tensor(args.decay, q.device), args.initial_state,
                                 block=args.block_size or 64)
     return _back(o, args.v), sn
 
 
-def la2_literal_backward_from_args(args, d_final_state=None, **options):
+def la2_literal_backward_from_args(args, d_final_state=None):
     q, k, v, do = _tensors(args.q, args.k, args.v, args.do)
     dq, dk, dv, ds0 = la2_literal_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
                                            d_final_state, block=args.block_size or 64)
@@ -76,9 +79,15 @@ def _la2_fast_config(args, q, segments: bool, fused_dkdv: bool) -> tuple[dict, d
     return cfg, backward_only
 
 
-def la2_fast_from_args(args, segments: bool = True, reuse_states: bool = True, fused_dkdv: bool = False, **options):
-    """The backend's kernels. With the default options this is the differentiable backend; the measured
-    sub-variants (no segments, no state reuse, fused dK/dV) launch the same kernels with other options."""
+def la2_fast_from_args(args, *, segments: bool = True, reuse_states: bool = True, fused_dkdv: bool = False):
+    """The backend's kernels. With the default options this is the differentiable backend
+    (:func:`~lightning_edu.triton_kernels.triton_attention`), whose forward keeps the segment states for its
+    autograd backward when a gradient can follow. Any other option launches la2_fast's forward here, on
+    :func:`~lightning_edu.triton_kernels.tiles_for`'s tiles, keeping no states: ``segments`` False (one segment),
+    ``fused_dkdv`` True (the variant whose backward fuses dK and dV), ``reuse_states`` False (nothing else
+    changed: the states a backward could reuse are not kept). The backward hook,
+    :func:`la2_fast_backward_from_args`, is never handed saved states and always recomputes them, so it takes no
+    ``reuse_states``."""
     if segments and reuse_states and not fused_dkdv:
         return triton_attention(args.q, args.k, args.v, args.decay, args.initial_state, args.block_size)
     q, k, v = _tensors(args.q, args.k, args.v)
@@ -87,8 +96,7 @@ def la2_fast_from_args(args, segments: bool = True, reuse_states: bool = True, f
     return _back(o, args.v), sn
 
 
-def la2_fast_backward_from_args(args, d_final_state=None, segments: bool = True, reuse_states: bool = True,
-                                fused_dkdv: bool = False, **options):
+def la2_fast_backward_from_args(args, d_final_state=None, *, segments: bool = True, fused_dkdv: bool = False):
     """The backend's backward kernels, or their sub-variants' (see :func:`la2_fast_from_args`): the backward of
     :func:`lightning_edu.lightning_attention_backward`. Eager calls on plain tensors run the launchers here
     (:func:`_fast_backward`); under :func:`torch.compile`, on meta tensors (a model traced on the meta device, no
@@ -130,16 +138,19 @@ def _fast_backward_fake(q, k, v, do, log2_decay, initial_state, d_final_state, b
             q.new_empty((batch, heads, d_k, v.shape[-1]), dtype=torch.float32))
 
 
-def la3_backward_from_args(args, d_final_state=None, **options):
-    """The recompute-heavy backward (its forward is la2_fast's); ``options`` may set its dK/dV tiles."""
+def la3_backward_from_args(args, d_final_state=None, *, chunk: int | None = None, micro: int | None = None,
+                            dkdv_warps: int | None = None, dkdv_stages: int | None = None):
+    """The recompute-heavy backward (its forward is la2_fast's); the options set its dK/dV kernel's tiles, None
+    for :func:`~.la3.la3_tiles`'s."""
     q, k, v, do = _tensors(args.q, args.k, args.v, args.do)
     cfg, _ = _la2_fast_config(args, q, True, False)
     dq, dk, dv, ds0 = la3_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
-                                   d_final_state, **cfg, **options)
+                                   d_final_state, **cfg, chunk=chunk, micro=micro, dkdv_warps=dkdv_warps,
+                                   dkdv_stages=dkdv_stages)
     return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), ds0
 
 
-def one_pass_from_args(args, lookback: bool = True, **options):
+def one_pass_from_args(args, *, lookback: bool = True):
     """The forward in one pass (chapter 07): the decoupled look-back, or with ``lookback`` False the chained scan;
     the backend's tiles, segments of 8 blocks."""
     from .lookback import lookback_forward
@@ -150,7 +161,7 @@ def one_pass_from_args(args, lookback: bool = True, **options):
     return _back(o, args.v), sn
 
 
-def tma_from_args(args, **options):
+def tma_from_args(args):
     """la2_fast's forward with descriptor loads in its main kernel (chapter 07), on the backend's tiles."""
     from .la2_tma import la2_tma_forward
 
@@ -159,7 +170,7 @@ def tma_from_args(args, **options):
     return _back(o, args.v), sn
 
 
-def decode_from_args(args, **options):
+def decode_from_args(args):
     """One decoding step (a :class:`~lightning_edu.validation.StepArgs`): (o in v's dtype, new_state float32).
 
     With no gradient to follow (grad mode off, or nothing requiring one: a decoding loop), the kernel's launch
