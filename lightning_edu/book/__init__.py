@@ -151,7 +151,7 @@ def describe_recorded(data: dict) -> str:
     if data.get("commit"):  # a short hash, and whatever follows it ("+local changes": measured off a commit)
         sha, _, rest = data["commit"].partition("+")
         facts.append(f"commit {sha[:12]}" + (f" + {rest.strip()}" if rest else ""))
-    else:  # the earliest records (H200) named no commit
+    else:  # the earliest records named no commit
         facts.append("commit not recorded")
     facts = f" ({', '.join(facts)})" if facts else ""
     moved = _moved(data["command"])

@@ -99,8 +99,8 @@ TOLERANCE = {
 
 # Rounding of the dot operands, per entry, as a fraction of the same sum taken over absolute values,
 # (|Q| |K|^T * M) |V|. Where the terms of a sum cancel, the answer is small beside its terms, and the relative
-# tolerance above alone fails a correct kernel: on an H100 the book's starter kernel (fp32 inputs, tf32 dots) was
-# off by 0.0059 where the largest entry of the answer was 0.68, in a single-token case of fresh random inputs.
+# tolerance above alone fails a correct kernel: on a GPU the book's starter kernel (fp32 inputs, tf32 dots) failed
+# it in a single-token case of fresh random inputs.
 # tf32 keeps 10 bits of mantissa (a relative rounding of at most 2^-11 per operand); the rounding errors of a
 # sum's terms add up like a random walk, and in practice stay well within 2^-11 of the sum over absolute values
 # (the worst case, every error of one sign, is a few times that). bf16: 2^-8 likewise.

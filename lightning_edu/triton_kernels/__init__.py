@@ -28,11 +28,11 @@ bfloat16 outputs and gradients. On CUDA, bfloat16 runs in the kernels as it is.
 
 Non-finite inputs stay causal in every kernel: a NaN or inf reaches exactly the outputs that depend on it.
 Each kernel runs a fast pass that flags the programs where a non-finite value showed up, then an exact pass
-over those programs only (masks that select, a sanitised operand: see ``_tiles``). Measured on an H100 (bf16,
-16 heads, 32K tokens per call) against the single-pass kernels: within 1-3 % forward and 1-7 % forward +
-backward at D = 128; at D = 64, where each call is short, 12-62 % slower, most of it the extra launches. So the
-backend's kernels with 16-bit tiles at d <= 64 run the exact pass in the fast kernel's own program, right after
-its sweep, when its flag is set (``_tiles.redo_in_place``): three launches fewer per forward + backward.
+over those programs only (masks that select, a sanitised operand: see ``_tiles``). Against single-pass kernels
+the second pass costs little where a call is long; where a call is short (d <= 64) its extra launches weigh
+(chapter 07). So the backend's kernels with 16-bit tiles at d <= 64 run the exact pass in the fast kernel's own
+program, right after its sweep, when its flag is set (``_tiles.redo_in_place``): three launches fewer per
+forward + backward.
 """
 
 from __future__ import annotations
@@ -59,40 +59,26 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     (or, with ``interpreter``, in Triton's CPU interpreter); given ``batch_heads`` (batch * heads) and ``sms`` (the
     device's :func:`~._tiles.sm_count`), for that many (batch, head) pairs on that device.
 
-    The 16-bit tiles were chosen by the H200 tile sweep of chapter 07 (``bench --tune``,
-    notebooks/data/tune_h200.json): 64-row blocks, or 32-row blocks when a head dim exceeds 128. That sweep was
-    bf16 only. Up to d = 64 they take three pipeline stages, the fastest tiles of the H100 sweep at d = 64
-    (notebooks/data/tune_h100.json, the GPU's time alone: 0.099 against 0.104 ms with two stages at T = 2K,
-    0.148 against 0.152 ms at 32K). d_v is cut into 64-column slices above d = 64 (two programs per (batch, head)
-    and segment at d = 128, each reading all of Q and K), measured on an H100 with the segment count of
-    :func:`~.la2_fast.choose_segments` (bf16, d = 128, 16 heads, 32K tokens per call; forward / backward ms):
-    0.356 / 0.915 against 0.377 / 1.037 with d_v whole at T = 8K, 0.377 / 0.936 against 0.408 / 1.070 at 32K and
-    1.423 / 3.607 against 1.471 / 3.757 at 128K.
+    16-bit tiles (chosen by chapter 07's bf16 tile sweep, ``bench --tune``: notebooks/data/tune_h200.json,
+    notebooks/data/tune_h100.json): 64-row blocks, or 32-row blocks when a head dim exceeds 128; three pipeline
+    stages up to d = 64, two above. d_v is cut into 64-column slices above d = 64 (two programs per (batch, head)
+    and segment at d = 128, each reading all of Q and K): with the segment count of
+    :func:`~.la2_fast.choose_segments` the slices beat d_v whole in the forward and the backward at every length
+    measured.
 
     Unless the slices would not fit in one wave. Two programs of these kernels run on an SM at once; with more
     (batch, head) pairs than SMs, 64-column slices need more than one wave of programs even as one segment, while
-    d_v whole fits in one (with 256 pairs on 132 SMs: 512 programs against 256). There, for 64 < d <= 128, each
+    d_v whole fits in one (two programs per pair against one). There, for 64 < d <= 128, each
     program takes d_v whole, with 8 warps (its d x d float32 state takes twice the registers of a slice's) and
-    3 stages, the fastest of the H100 tile sweep at T = 2K (notebooks/data/tune_h100.json, the GPU's time alone:
-    0.281 against 0.312 ms). Through the public call on an H100 (bf16, d = 128, 16 heads, 32K tokens per call;
-    forward / forward + backward ms): 0.291 / 1.079 against 0.320 / 1.261 at T = 2K (256 pairs), 0.302 / 1.123
-    against 0.329 / 1.294 at T = 1K (512), while at T = 4K (128 pairs, where the slices fit) d_v whole took
-    0.350 / 1.225 against 0.264 / 1.049. The same sweep found the other 16-bit tiles the fastest at d = 128,
-    T = 32K.
+    3 stages, the fastest tiles of the sweep for that many pairs; where the slices fit in one wave they stay the
+    faster choice. Chapter 07 shows the measurements.
 
     float32 takes 16-row blocks up to d = 128: its exact fp32 dots (``input_precision="ieee"``,
     :func:`~._tiles.dot_precision`) run on the FMA units, not the tensor cores, and every product of a larger
-    tile is a longer unrolled sequence of multiply-adds that spills registers. Measured on an H100 (Triton 3.6;
-    forward + backward at 16 heads x 8K tokens; the first call, on (1, 4, 1024, d) in a fresh process):
-    at d = 64, 16-row blocks and 4 warps took 1.42 ms against 15.3 ms with 64-row blocks and 8 warps
-    (first call 6.1 against 8.2 s); at d = 128, 16-row blocks and 8 warps took 17.8 ms against 42.8 ms with
-    32-row blocks (first call 7.2 against 9.2 s; 4 warps took 31.7 ms), with one pipeline stage and d_v whole.
-    The error against float64 stayed at 3e-7. Above d = 64 float32 cuts d_v into 64-column slices, whatever the
-    pair count: a 128 x 128 fp32 state on the FMA units is the spilling kind of tile. Measured on an H100 (d = 128,
-    16 heads, 32K tokens per call, the launchers timed by ``triton.testing.do_bench``; forward / forward + backward
-    ms): 5.08 / 19.2 against 15.5 / 70.4 with d_v whole at 1 x 32K (16 pairs), 4.54 / 18.2 against 15.3 / 70.0 at
-    8 x 4K (128 pairs), 4.53 / 18.2 against 30.0 / 118.8 at 16 x 2K (256 pairs); outputs and gradients within
-    3.5e-7 of each other. Above d = 128 float32 keeps 32-row blocks, 64-column slices, 8 warps and two stages (not
+    tile is a longer unrolled sequence of multiply-adds that spills registers, which runs and compiles slower
+    (chapter 07); 4 warps and two stages up to d = 64, 8 warps and one stage above. Above d = 64 float32 cuts d_v
+    into 64-column slices, whatever the pair count: a 128 x 128 fp32 state on the FMA units is the spilling kind
+    of tile. Above d = 128 float32 keeps 32-row blocks, 64-column slices, 8 warps and two stages (not
     measured). In the interpreter float32 takes larger blocks (64 rows up to d = 64, 32 above):
     there a block's cost is per operation, not per element, and small blocks only mean more
     of them. ``block_size`` overrides the rows.
@@ -213,8 +199,8 @@ def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
     registered backward, and a single node to :func:`torch.compile`; called eagerly on plain tensors, the same
     forward and backward run as an autograd Function (:class:`.ops.EagerLA2`), which skips the dispatcher; and
     an eager call that no gradient can follow (grad mode off, or no input requiring one: inference) runs the
-    forward's kernels alone (:func:`.ops.forward_impl`), without a Function around them: the Function's own cost
-    was 8 to 19 us of host time per call on a 2-core x86 CPU, timed around a forward that launched nothing.
+    forward's kernels alone (:func:`.ops.forward_impl`), without a Function around them: the Function's own host
+    time per call is a cost a short inference call need not pay.
     o has v's dtype, final_state is float32.
     bfloat16 inputs off CUDA (the CPU interpreter) are computed in float32 and o is returned as bfloat16;
     gradients flow back to the bfloat16 leaves as bfloat16. The forward keeps its segment states for the backward

@@ -13,10 +13,9 @@ state, as the algebra says it must.
 
 Two passes, so that finite inputs pay (almost) nothing. The exact tiles cost shared-memory round trips and
 layout changes on every tile, and compiled into the same kernel behind a branch that never runs they may
-raise its register count for the whole kernel: measured on an H100 (bf16, H = 16, 32K tokens) on the first
-kernels of this package, exact tiles in every sweep made LA-1 about 3x and la2_fast up to 2.2x slower, an
-in-kernel exact re-sweep still 1.2-1.9x. So each kernel is compiled with the constexpr SAFE off (the fast pass)
-and on (the exact pass), and by default launched twice:
+raise its register count for the whole kernel: on the first kernels of this package, exact tiles in every
+sweep, or an exact re-sweep in the same kernel, made them several times slower. So each kernel is compiled
+with the constexpr SAFE off (the fast pass) and on (the exact pass), and by default launched twice:
 
 * The fast pass (SAFE=False, the usual grid) is the plain kernel (masks that multiply, raw
   operands), plus one flag per program: whether its carried state (LA-2) or its output tile (LA-1) ended
@@ -28,19 +27,18 @@ and on (the exact pass), and by default launched twice:
   reduction), or :func:`stored_nonfinite` (the stored tile read back and reduced).
 * The exact pass (SAFE=True, about one program per SM: :func:`exact_pass_grid`) scans the flags with one
   vector load per program and redoes only the flagged programs, rewriting their outputs (states and flags it
-  leaves alone: the fast pass computed the states exactly). On finite inputs it costs about 2 us of GPU time
-  and one more launch on the host.
+  leaves alone: the fast pass computed the states exactly). On finite inputs it costs one vector load of flags
+  per program on the GPU and one more launch on the host.
 
 A flag can also be raised by a non-finite value the fast pass handled exactly (a q, an initial state, an
 fp16 overflow): that only costs the exact pass's time, never a wrong result.
 
 In place, where it costs little. The backend's kernels with 16-bit tiles and a state of at most 64 x 64
 (:func:`redo_in_place`) hold both passes in one program: the fast sweep, its flag, then (:func:`flagged_here`)
-the exact sweep of the same program when its flag is set. On an H100 their GPU time moved by about 1 %, while a
-short forward + backward, bound by the host, launched three kernels fewer and took up to 10 % less
-(:func:`redo_in_place`). The exact pass of the other kernels (la1, la2_literal, la2_fast's fused dK/dV, the
-one-pass forward of ``lookback``, la2_tma's descriptor kernel, float32 tiles, larger states) stays a launch of its
-own.
+the exact sweep of the same program when its flag is set: their GPU time barely moves, while a short forward +
+backward, bound by the host, launches three kernels fewer (:func:`redo_in_place`). The exact pass of the other
+kernels (la1, la2_literal, la2_fast's fused dK/dV, the one-pass forward of ``lookback``, la2_tma's descriptor
+kernel, float32 tiles, larger states) stays a launch of its own.
 
 How the kernels are written (every kernel of this package, so that one reads like the next):
 
@@ -64,9 +62,8 @@ How the kernels are written (every kernel of this package, so that one reads lik
 * **Counts are not specialised on; lengths are.** Triton compiles a kernel again for each integer argument that
   is 1 or a multiple of 16, so that it may fold or align with it. The head count (``H`` or ``heads``) and the
   number of programs (``n_programs``) are listed in ``do_not_specialize``: one compilation serves every head
-  count and grid. The sequence length ``n`` and ``seg_len`` stay specialised, as do the strides: on an H100
-  (bf16, d = 128, 16 heads, 32K tokens) a forward with ``n`` unspecialised ran 6 % slower (0.478 against
-  0.450 ms at T = 8K), while unspecialising the counts changed nothing measurable.
+  count and grid. The sequence length ``n`` and ``seg_len`` stay specialised, as do the strides: a forward with
+  ``n`` unspecialised ran slower, while unspecialising the counts changed nothing measurable.
 * **Dots** carry their shapes in a comment, ``(rows, inner) @ (inner, cols)``.
 * The decay tile (:func:`decay_tile`), the exact pass's dispatch (:func:`flagged_range`) and the tile widths
   (:func:`pad_dim`) live here, once.
@@ -113,17 +110,11 @@ def redo_in_place(dtype, state_rows: int, state_cols: int) -> bool:
     :data:`REDO_STATE` entries (d <= 64), where a call is short and its launches cost the host more than the GPU
     its time.
 
-    Measured on H100 machines (driver 580.159, torch 2.11, Triton 3.6; bf16, 16 heads, 32K tokens per call, d = 64;
-    ``python -m lightning_edu.perf.redo``, notebooks/data/redo_h100.json, chapter 07: nine interleaved rounds of
-    each way), with 5 launches instead of 8: the kernels' own time (a CUDA graph) 0.5-1.2 % longer in place, the
-    forward timed with its launches 1-2 % shorter, and a forward + backward through autograd, bound by the host,
-    10 % and 9 % shorter at T = 2K and 8K, level at 32K (in two earlier runs of five rounds on two other machines,
-    at the kernels of commit 074c500: 6-14 % shorter from 2K to 32K). A first call (bf16 or fp16, d = 64, a fresh
-    process) compiled 5 kernels instead of 8, 7.8-10.0 s of compiling in all against 13.9-14.9 s, and returned in
-    4.1-4.6 s against 3.6-4.1 s (compiled side by side, where the one larger kernel is the longer wait). At
-    d = 128, in place on every state, the backward's reversed passes ran 1-2 % faster on 64-column slices and 6 %
-    slower on a 128 x 128 state (d_v whole, T = 2K): there a call is long, and the launches it saves are worth
-    little. float32 tiles, the spilling kind, keep two launches."""
+    In place, a forward + backward at d = 64 launches 5 kernels instead of 8 and compiles 5 instead of 8: the
+    kernels' own time barely moves, and a short call, bound by the host, gets shorter. At d = 128 a call is long,
+    the launches saved are worth little, and in place a 128 x 128 state (d_v whole) ran slower. float32 tiles, the
+    spilling kind, keep two launches. Chapter 07 shows the measurements (``python -m lightning_edu.perf.redo``,
+    notebooks/data/redo_h100.json)."""
     import torch
 
     return EXACT_IN_PLACE and dtype in (torch.float16, torch.bfloat16) and state_rows * state_cols <= REDO_STATE
@@ -185,10 +176,10 @@ def launch_key(kernel, args, meta, device: int) -> tuple:
 def _fast_launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, with Triton's launch-time work done once per specialisation.
 
-    Why. A short call of the backend is bound by the host: on an H100 machine's host (Triton 3.6) each
-    ``kernel[grid]`` launch of the backend's kernels took 20-43 us (binding and specialising 13 to 26 arguments,
-    the cache key, the stream, launch metadata) when the compiled kernel's own launcher takes 6-11 us, and a
-    forward + backward launches 6 to 10 kernels.
+    Why. A short call of the backend is bound by the host, a forward + backward launches 6 to 10 kernels, and
+    each ``kernel[grid]`` launch does several times the work of the compiled kernel's own launcher (binding and
+    specialising 13 to 26 arguments, the cache key, the stream, launch metadata). Chapter 08 shows the host's
+    time per call (``python -m lightning_edu.perf.host``, notebooks/data/host_h100.json).
 
     How. The key (:func:`launch_key`) holds everything Triton specialises a launch on, or finer: every constexpr
     by value, whether passed by keyword or by position (a row stride is one), and what Triton reads of every
@@ -475,8 +466,8 @@ def compile_ahead(run, *args, workers: int | None = None, **kwargs) -> bool:
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for positive ints. The launchers' own: Triton's ``triton.cdiv`` and ``triton.next_power_of_2``
-    are compile-time functions whose host-side call costs about 5 us (Triton 3.7), a hundred times this, and a
-    forward+backward of the backend computes a few dozen of these numbers on the host."""
+    are compile-time functions whose host-side call costs far more than this, and a forward+backward of the
+    backend computes a few dozen of these numbers on the host."""
     return -(-a // b)
 
 
@@ -503,8 +494,8 @@ def interpreted(x: torch.Tensor) -> bool:
     """Whether a kernel launched on ``x`` runs in Triton's CPU interpreter: x is not on CUDA (there is no
     other CPU path), or TRITON_INTERPRET=1 was set when the kernels were defined. Triton reads the variable
     once, as ``@triton.jit`` decorates each kernel, so this reads it once too, at import: setting it later
-    changes neither. (Reading ``os.environ`` on every call cost 1.4 us on a CPU here, and the backend asked 17
-    times per forward + backward: on an H100 machine's host that showed in a profile of a short call.)"""
+    changes neither. (The backend asks many times per forward + backward, and reading ``os.environ`` each time
+    showed in a profile of a short call.)"""
     return not x.is_cuda or _INTERPRET
 
 
@@ -544,10 +535,10 @@ def dense(x):
     (a fresh allocation, which is aligned); None as None. The kernels are handed only aligned tensors.
 
     Why. Triton specialises a launch on whether each pointer is 16-byte aligned and compiles another kernel
-    when one is not, with narrower loads. On an H100 (Triton 3.6) la2_fast's main kernel compiled for a 16-bit
-    key tensor one element off an aligned start was wrong at d_k = 64, d_v = 32 (o off by 82 % of its largest
-    entry; dV, whose pass reads Q as its key, by 73-75 %), and in bf16 with one pipeline stage it read outside
-    its tensors (an illegal memory access); the same values from an aligned copy were right (chapter 07). A copy
+    when one is not, with narrower loads. Compiled by Triton 3.6 for a GPU of compute capability 9.0, la2_fast's
+    main kernel for a 16-bit key tensor one element off an aligned start gave wrong outputs at d_k = 64,
+    d_v = 32 (o, and dV, whose pass reads Q as its key), and in bf16 with one pipeline stage it read outside its
+    tensors (an illegal memory access); the same values from an aligned copy were right (chapter 07). A copy
     costs one trip through memory, for inputs that are rare: torch aligns every tensor it allocates."""
     if x is None or is_dense(x):
         return x
@@ -582,8 +573,8 @@ def head_start(bh, rows, width):
 def head_offset(bh, H, rows, width, stride_b, stride_h, CONTIGUOUS: tl.constexpr):
     """Offset of (batch*head) ``bh``'s first element, batch ``bh // H`` and head ``bh % H``, in a (batch, heads,
     rows, width) tensor with batch stride ``stride_b`` and head stride ``stride_h``, in 64 bits. With CONTIGUOUS
-    (the tensor is), the same offset as :func:`head_start` computes it: on an H100 the reversed passes of la2_fast
-    ran 12 % slower with the offset computed from the strides (see ``_la2_fast_forward_kernel``)."""
+    (the tensor is), the same offset as :func:`head_start` computes it: the reversed passes of la2_fast ran
+    slower with the offset computed from the strides (see ``_la2_fast_forward_kernel``)."""
     if CONTIGUOUS:
         return head_start(bh, rows, width)
     bh = tl.cast(bh, tl.int64)  # bh may be a loop index: a Python int in the interpreter
@@ -671,8 +662,8 @@ def poison(out, pos, edge, CAUSAL: tl.constexpr):
 def stored_nonfinite(ptrs, mask):
     """Fast pass, last thing in a program: whether the tile it just stored at ``ptrs`` (masked by ``mask``)
     holds an inf or NaN, as a scalar to store as its flag. The tile is read back (from L2, after a barrier)
-    rather than tested in registers: testing the accumulator changed LA-1's compiled forward kernel (+19% at
-    d = 128 on an H100), the read-back leaves it as it was (+2%)."""
+    rather than tested in registers: testing the accumulator changed LA-1's compiled forward kernel and slowed
+    it, the read-back leaves it (almost) as it was."""
     tl.debug_barrier()
     back = tl.load(ptrs, mask=mask, other=0.0)
     return tl.sum(tl.sum(back.to(tl.float32) * 0.0, axis=1), axis=0) != 0.0
@@ -698,6 +689,5 @@ def flagged_here(flag):
 def flag_nonfinite(flag, x):
     """Fast pass, last thing in a program: flag := 1 if the 2-D tile ``x`` (its final state, or the output tile it
     just stored) holds an inf or NaN (x * 0 != 0 exactly then). A store masked to the lanes holding one, not a
-    reduction: a cross-warp reduction here changed the compiled kernel and cost LA-1's dK/dV kernel 22% at d = 64
-    (4% at d = 128) on an H100."""
+    reduction: a cross-warp reduction here changed the compiled kernel and slowed LA-1's dK/dV kernel."""
     tl.store(tl.broadcast_to(flag, x.shape), 1, mask=(x * 0.0) != 0.0)

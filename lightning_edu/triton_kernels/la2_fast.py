@@ -3,7 +3,7 @@
 Four ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
 
 1. **Segments.** The literal kernel runs one program per (batch, head): at 32K tokens per call that is
-   16 programs on a 132-SM H100. Here the sequence is cut into ``num_segments`` segments. A short pre-pass
+   16 programs on a GPU of 132 SMs. Here the sequence is cut into ``num_segments`` segments. A short pre-pass
    computes each segment's local state ``sum_s lambda^(end-1-s) k_s^T v_s`` (d_k x d_v, a few KB); the main
    kernel then starts segment j from ``sum_{i<j} lambda^((j-1-i) L) S_i`` (Horner's rule over the few
    earlier segments, read from L2) and runs Algorithm 1 over its own blocks. More programs, for a price in
@@ -15,13 +15,13 @@ Four ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
    dk_t = v_t sum_{s>=t} lambda^(s-t) do_s^T q_s (query v, key dO, value q) share one state dKV; and
    dq_t = do_t sum_{s<=t} lambda^(t-s) v_s^T k_s is the forward with (dO, V, K). So the backward is three
    runs of the forward kernel. A fused reverse kernel for dK and dV (one shared state, fewer bytes) is kept
-   as ``fused_dkdv=True``: on an H200 it was slower. At T = 2K, D = 128, bf16 the fused kernel alone took
-   0.93 ms at its best tiles, while the whole three-forward backward (dQ, dK and dV) took 0.85 ms: seven
-   dots per block on a 128 x 128 fp32 state leave too few registers for the 64-row tiles.
+   as ``fused_dkdv=True``: it was slower, the fused kernel alone at its best tiles slower than the whole
+   three-forward backward (chapter 08): seven dots per block on a 128 x 128 fp32 state leave too few registers
+   for the 64-row tiles.
 4. **Reuse states across passes.** The forward saves each segment's incoming state; the backward's dQ
    pass starts from them (transposed) instead of re-reading K and V, and dK reuses dV's segment states.
-   Predicted about 15 % off the backward at T >= 32K; measured 1-4 %: the passes are bound by the chain of
-   dots inside each program, not by bytes (chapter 08).
+   It saves less than the bytes it spares predict: the passes are bound by the chain of dots inside each
+   program, not by bytes (chapter 08).
 
 Non-finite inputs stay causal (a NaN or inf reaches exactly the outputs that depend on it), in the forward,
 in the three backward passes and in the fused dK/dV kernel: each kernel is a fast pass, which flags the
@@ -240,8 +240,7 @@ def _la2_fast_forward_kernel(
     ``sqb, sqh, sqn`` (Q) and likewise for K, V and O. The row strides are compile-time constants, as the head
     dims: d for a contiguous tensor, a multiple of it for a view of a projection, one compilation per layout.
     CONTIGUOUS (all four contiguous) computes each head's start as bh * n * d. With the start computed from the
-    batch and head strides instead (the same addresses), the reversed passes of the backward ran 12 % slower on an H100 (torch 2.11, Triton 3.6; bf16, d = 128, 16 heads:
-    1.53 against 1.36 ms per pass at 1 x 128K tokens, 0.378 against 0.337 ms at 4 x 8K).
+    batch and head strides instead (the same addresses), the reversed passes of the backward ran slower.
 
     STORE_INC saves each segment's incoming state to INC (batch*heads, num_segments, d_k, d_v) fp32, so
     that the backward's dQ pass can start every segment without a pre-pass over K and V. SEG_T: SEG holds
@@ -515,12 +514,10 @@ WHOLE_DV = dict(block_dv=128, num_warps=8, num_stages=3)
 WHOLE_DV_PER_SM = 1
 """Programs of :data:`WHOLE_DV`'s tiles that run on one SM at once (:func:`choose_segments`' ``per_sm``). At
 d = 128 three stages of 64-row tiles of q, k and v (48 KB a stage) and the state's 16-bit copy for its dot need
-more than half of an SM's 228 KB of shared memory, so one program holds the SM, and the times below show it: 16
-segments of a 16-head sequence (256 programs) are two waves on 132 SMs, 8 segments one wave, whose pre-pass
-re-reads 7/8 of K and V instead of 15/16, and 9 segments a second wave of 12 programs. Measured on an H100 (``python -m lightning_edu.perf.segments``,
-notebooks/data/segments_h100.json: bf16, 16 heads, one sequence, these tiles through descriptors, the GPU's time
-by CUDA graph), 8 / 9 / 16 segments: 0.299 / 0.460 / 0.332 ms at 32K tokens; at 128K, where a segment's main pass
-is four times longer, 1.234 / 1.721 / 1.222 ms, a tie within the spread of repeated runs."""
+more than half of an SM's 228 KB of shared memory, so one program holds the SM: 16 segments of a 16-head
+sequence (256 programs) are two waves on 132 SMs, 8 segments one wave, whose pre-pass re-reads 7/8 of K and V
+instead of 15/16, and 9 segments a second wave of 12 programs, the slowest of the three. Chapter 07 shows the
+measurements (``python -m lightning_edu.perf.segments``, notebooks/data/segments_h100.json)."""
 
 
 def whole_dv_forward(q, v) -> bool:
@@ -529,10 +526,9 @@ def whole_dv_forward(q, v) -> bool:
     slices: where its tiles load through descriptors (:func:`~.la2_tma.backend_takes`, 64 < d <= 128).
 
     With pointer loads d_v whole was the slower tiles wherever the slices fit in one wave (its 128 x 128 float32
-    state spilled registers); through descriptors it became the fastest segmented tiles at 128K. Measured on an
-    H100 (``python -m lightning_edu.perf.tma``, notebooks/data/tma_h100.json: bf16, d = 128, 16 heads, 32K tokens per
-    call, the GPU's time by CUDA graph), d_v whole through descriptors against the slices through descriptors:
-    1.248 against 1.310 ms at 1 x 128K, 0.331 against 0.330 ms at 1 x 32K. A backward keeps the slices: its
+    state spilled registers); through descriptors it became the fastest segmented tiles on the longest sequences
+    and costs nothing on shorter ones (chapter 07; ``python -m lightning_edu.perf.tma``,
+    notebooks/data/tma_h100.json). A backward keeps the slices: its
     reversed passes load through pointers, where d_v whole is slower (:func:`~lightning_edu.triton_kernels.kernel_config`),
     and the forward that saves states for it shares its tiles."""
     from .la2_tma import backend_takes
@@ -554,26 +550,22 @@ PREPASS_TAIL_FIRST = False
 """Whether the segment pre-pass sums each segment from its end back to its start (``_local_state``'s TAIL_FIRST;
 bfloat16 and float32 keys only). The main pass reads each segment from its start, so summed from its end the rows
 the pre-pass read last are the rows the main pass reads first, and some of them are still in L2. Off: it paid too
-little, and not everywhere. Measured on an H100 (``python -m lightning_edu.perf.prepass``,
-notebooks/data/prepass_h100.json: bf16, 16 heads, 32K tokens per call, medians of 5 interleaved rounds, end first
-against start first): the forward alone at d = 64 took 0.1550 against 0.1582 ms at 32K (the GPU's time by CUDA graph
-0.1424 against 0.1477) and 0.5522 against 0.5541 ms at 128K; at d = 128 0.3121 against 0.3126 ms at 32K, a tie at
-128K; but the forward + backward at d = 128, 128K took 4.84 against 4.76 ms, slower in each of the 5 rounds (chapter 07)."""
+little, and not everywhere: the forward alone gained a little or tied, and a long forward + backward at d = 128
+ran slower. Chapter 07 shows the measurements (``python -m lightning_edu.perf.prepass``,
+notebooks/data/prepass_h100.json)."""
 
 
 def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: int) -> tuple[int, int, int]:
     """(block, num_warps, num_stages) of the segment pre-pass (``_segment_state_kernel``) for 16-bit inputs: 32-row
     blocks, 4 warps, 4 stages. The pre-pass only streams K and V through one dot per block, so it wants more
-    loads in flight than the main kernel's tiles give it. Measured on an H100 (bf16, 16 heads, 32K tokens per
-    call, chapter 07): at d = 128 it took 0.069 / 0.098 / 0.347 ms at T = 8K / 32K / 128K with these tiles
-    against 0.096 / 0.118 / 0.424 ms with the forward's (64 rows, 4 warps, 2 stages). Other dtypes, and segments
-    that are not whole 32-row blocks, keep the given tiles.
+    loads in flight than the main kernel's tiles give it; with these it ran faster than on the forward's tiles
+    (64 rows, 4 warps, 2 stages) at every length measured (chapter 07). Other dtypes, and segments that are not
+    whole 32-row blocks, keep the given tiles.
 
-    The pre-pass keeps the forward's 64-column slices of d_v, so at d = 128 it reads K once per slice. Fourteen
-    variants (d_v whole, which reads K once, or in slices; 16, 32 or 64 rows; 4 or 8 warps; 3 or 4 stages) moved
-    the whole forward by at most 1.6 % on the same H100 (best against these tiles: 0.316 against 0.321 ms at 8K,
-    0.349 against 0.353 at 32K, 1.336 against 1.354 at 128K): at T >= 32K the pre-pass already streams at
-    0.81-0.91 of the copy bandwidth, and what it costs is the second read itself."""
+    The pre-pass keeps the forward's 64-column slices of d_v, so at d = 128 it reads K once per slice. Other
+    variants (d_v whole, which reads K once, or in slices; 16, 32 or 64 rows; 4 or 8 warps; 3 or 4 stages) barely
+    moved the whole forward: on long sequences the pre-pass already streams close to the copy bandwidth, and what
+    it costs is the second read itself."""
     import torch
 
     if dtype in (torch.float16, torch.bfloat16) and seg_len % 32 == 0:
@@ -584,7 +576,7 @@ def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: i
 def value_slices(d_v: int, block_dv: int | None) -> tuple[int, int]:
     """(block_dv, slices): the columns of d_v each program of the forward kernel takes, and how many such slices
     make d_v. ``block_dv`` None means 64-column slices, what the backend's tiles take above d = 64 in every dtype
-    (:func:`~lightning_edu.triton_kernels.kernel_config`, with the measurements), except where it names d_v whole
+    (:func:`~lightning_edu.triton_kernels.kernel_config`, with the reasons), except where it names d_v whole
     for more (batch, head) pairs than SMs (16-bit), with the warps and stages that go with it. A slice never
     exceeds d_v padded to a power of two."""
     block_dv = min(pad_dim(d_v), block_dv or 64)
@@ -627,7 +619,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     if seg is None:
         seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)
         segment_states(k, v, log2_decay, seg, seg_len, block, block_dv, num_warps, num_stages, reverse)
-    # With one segment the dQ pass has no pre-pass to skip (and saving cost 3 % at T = 2K on an H200).
+    # With one segment the dQ pass has no pre-pass to skip (and saving would cost time for nothing).
     store_incoming = store_incoming and num_seg > 1
     # A pointer the kernel never follows (its STORE_ / HAS_ flag off) is handed some float32 tensor of this call.
     unused = sn if final_state else seg
@@ -791,8 +783,8 @@ def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_ini
 
     heads, n = q.shape[1], q.shape[2]
     # x_end = sum_t lambda^t q_t^T do_t (0-based t); dL/dS0 = sum_t lambda^(t+1) q_t^T do_t (+ lambda^n dSN).
-    # Two small ops on the usual path (no final-state gradient): each costs the host ~15 us, as much as
-    # the GPU takes for it, and a short backward is bound by the host: skipped when dL/dS0 is not wanted.
+    # Two small ops on the usual path (no final-state gradient): each costs the host as much time as the GPU
+    # takes for it, and a short backward is bound by the host: skipped when dL/dS0 is not wanted.
     ds0 = None
     if d_initial_state:
         ds0 = x_end.mul_(torch.exp2(log2_decay.float()).view(1, heads, 1, 1))  # x_end: this backward's own fp32 buffer

@@ -286,7 +286,7 @@ def la2_literal_dkdv_kernel(
 
 def _block_cap(*dims: int) -> int:
     # Everything is upcast to fp32 on chip, so wide heads need short blocks to fit in shared memory
-    # (an H200 refused 64 x 128 fp32 tiles): 64 rows up to d = 64, 32 at d = 128 (the largest allowed).
+    # (64 x 128 fp32 tiles did not fit in an SM's): 64 rows up to d = 64, 32 at d = 128 (the largest allowed).
     return 32 if max(pad_dim(d) for d in dims) >= 128 else 64
 
 
@@ -330,9 +330,8 @@ def la2_literal_backward(q, k, v, do, log2_decay, initial_state=None, d_final_st
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
-    # The reverse sweep keeps the whole d_k x d_v fp32 state on chip: 256 KiB at d = 256, more than an
-    # H200 SM's 227 KiB of shared memory (its compiler asked for 360448 bytes: the first run recorded in
-    # notebooks/data/gpu_tests_h200.json, kept under earlier_runs).
+    # The reverse sweep keeps the whole d_k x d_v fp32 state on chip: 256 KiB at d = 256, more than an SM's
+    # shared memory (the compile failure is recorded in notebooks/data/gpu_tests_h200.json, under earlier_runs).
     validate_head_dims(d_k, d_v, 128, "la2_literal")
     block = min(block, _block_cap(d_k, d_v))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -1,8 +1,8 @@
 """la2_fast's forward with its tiles loaded by Hopper's tensor memory accelerator (TMA). (Chapter 07.)
 
 The main forward kernel of :mod:`la2_fast` computes the address of every element it loads: a 64 x 128 tile of
-``Q`` is 8192 pointers, held in registers (chapter 07's Nsight Compute table: 242 to 255 registers per thread at
-d = 128, with spills, and 8 warps per SM). On Hopper GPUs a *tensor descriptor* (the tensor's base, shape and
+``Q`` is 8192 pointers, held in registers (chapter 07's Nsight Compute table shows the registers per thread at
+d = 128, and their spills). On Hopper GPUs a *tensor descriptor* (the tensor's base, shape and
 strides, and the tile's shape, ``triton.tools.tensor_descriptor.TensorDescriptor``) lets the kernel ask the
 TMA unit for a whole tile by its coordinates, ``desc.load([batch, head, row, column])``: the copy engine
 computes the addresses and writes the tile to shared memory, asynchronously, and rows or columns past the
@@ -16,11 +16,9 @@ The backend runs it (:func:`backend_takes`: 16-bit tiles, 64 < d <= 128, calls o
 capability 9.0 or later) as the fast pass of its passes in time order, the forward and the backward's dQ pass; its
 launch plans (:class:`~._tiles.LaunchPlan`) rebuild each descriptor on the replayed call's tensors. Chapter 07
 measures the kernel against la2_fast's (``python -m lightning_edu.perf.tma``) and the backend with and without it
-(``python -m lightning_edu.perf.bench``, method ``triton_pointers``). On an H100 (bf16, d = 128, 16 heads, 32K
-tokens per call, the public call timed by ``do_bench``, medians of three interleaved rounds,
-notebooks/data/bench_h100_d128.json), forward 0.224 against 0.293 ms at T = 2K, 0.248 / 0.312 at 8K, 0.311 / 0.356
-at 32K, 1.165 / 1.375 at 128K (from 32K on with :func:`~.la2_fast.whole_dv_forward`'s tiles and segments against
-the slices); forward + backward 1.055 against 1.107 ms at 2K, within 2 % either way at the longer lengths.
+(``python -m lightning_edu.perf.bench``, method ``triton_pointers``; notebooks/data/bench_h100_d128.json): with
+descriptors the forward was faster at every length measured (from 32K on with
+:func:`~.la2_fast.whole_dv_forward`'s tiles and segments), the forward + backward faster at 2K and level beyond.
 
 A descriptor needs 16-byte aligned rows: the base and every stride but the last a multiple of 16 bytes (d a
 multiple of 8 in 16-bit dtypes, of 4 in float32); on a GPU, compute capability 9.0 or later. The launcher refuses

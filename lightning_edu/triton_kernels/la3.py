@@ -51,21 +51,16 @@ MAX_HEAD_DIM = 128  # the sweep holds a d_k x d_v fp32 state: 64 KB at d = 128, 
 
 def la3_tiles(dtype, d: int = 64) -> dict:
     """Chunk C, micro-chunk c and launch shape of the dK/dV kernel for inputs of ``dtype`` and head dim ``d`` (the
-    wider of d_k, d_v), measured on an H100 in chapter 09.
+    wider of d_k, d_v), chosen by the measurements of chapter 09 (notebooks/data/la3_h100.json).
 
     16-bit inputs: c = C = 64. Hopper's tensor-core instruction (wgmma) multiplies tiles of 64 rows per
-    warp group; 16-row tiles fall back to the older instruction and made the backward 1.7-2.0x slower
-    (notebooks/data/la3_h100.json). The
+    warp group; 16-row tiles fall back to the older instruction and made the backward much slower. The
     kernel then needs 32 KB (d = 64) or 64 KB (d = 128) of shared memory: within 99 KB either way.
 
     fp32 (the correctness rung): c = C = 16, 4 warps up to d = 64 and 8 above. Its exact fp32 products run on the
-    FMA units, unrolled, and with c < C every chunk unrolls its c x c tile pairs as well. Measured on an H100
-    (Triton 3.6, 16 heads x 32K tokens, the dK/dV kernel alone; compile time of its first call in a fresh
-    process, with one to three other processes compiling beside it): at d = 64, C = c = 16 ran in 2.16 ms and compiled
-    in 5.0 s, against 31.1 ms and 42 s for C = 64, c = 16 (C = c = 32: 2.26 ms, 8.5 s); at d = 128,
-    with 8 warps, 53 ms and 10.8 s against 68 ms and 68 s for C = 64, c = 32 (C = c = 32: 67 ms,
-    18 s; 4 warps at C = c = 16: 69 ms). The error against float64 stayed at 3e-7. The 128 x 128 fp32 state still
-    spills at d = 128 (1400-1700 registers).
+    FMA units, unrolled, and with c < C every chunk unrolls its c x c tile pairs as well: the smallest tiles
+    (C = c = 16) both ran and compiled fastest, at d = 64 and at d = 128 (with 8 warps there), and kept the error
+    against float64 that of fp32 dots. The 128 x 128 fp32 state still spills registers at d = 128.
     """
     import torch
 
@@ -226,9 +221,10 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     validate_head_dims(d_k, d_v, MAX_HEAD_DIM, "la3")
     pad_k, pad_v = pad_dim(d_k), pad_dim(d_v)
     if q.is_cuda and micro == 64 and (pad_k, pad_v) == (64, 32):
-        # Compiled by Triton 3.6 for an H100, the 16-bit kernel with 64-row micro-chunks at d_k = 64, d_v = 32
-        # reads outside its tensors (an illegal memory access), while d = (64, 16), (32, 64), (64, 64), (128, 64)
-        # and 16-row micro-chunks at (64, 32) run correctly: a compiler fault, so this shape takes 16-row tiles.
+        # Compiled by Triton 3.6 for a GPU of compute capability 9.0, the 16-bit kernel with 64-row micro-chunks
+        # at d_k = 64, d_v = 32 reads outside its tensors (an illegal memory access), while d = (64, 16), (32, 64),
+        # (64, 64), (128, 64) and 16-row micro-chunks at (64, 32) run correctly: a compiler fault, so this shape
+        # takes 16-row tiles.
         micro = 16
     if seg_len is not None and seg_len % chunk:
         seg_len = cdiv(seg_len, chunk) * chunk
