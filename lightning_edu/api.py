@@ -19,7 +19,9 @@ attention between them (numpy and torch, in :mod:`lightning_edu.feature_maps`).
 
 from __future__ import annotations
 
-from . import feature_maps, registry
+# feature_core holds what lightning_edu.feature_maps re-exports and these functions run (feature_maps itself imports
+# this module, to measure normalized_attention): bound to the name the chapter reads, feature_maps.
+from . import feature_core as feature_maps, registry
 from .packed import packed_backward, packed_forward
 from .validation import (
     validate_attention_args, validate_augmented_state, validate_feature_map, validate_flag, validate_hybrid_args,

@@ -1,5 +1,5 @@
-"""The book's own tools: the table of contents and notebook helpers (here), the figures' style
-(:mod:`.plots`) and the widgets with their static twins (:mod:`.decay_view`, :mod:`.explorer`).
+"""The book's own tools: the table of contents (:mod:`.toc`, re-exported here), the notebook helpers (here), the
+figures' style (:mod:`.plots`) and the widgets with their static twins (:mod:`.decay_view`, :mod:`.explorer`).
 
 The table of contents is read from ``book.toml``, the one place that declares chapter order.
 ``python -m lightning_edu.book`` prints the README's chapter table; ``python -m lightning_edu.book build`` builds
@@ -9,49 +9,14 @@ the book as a website (every executed notebook, rendered by mdBook into book.tom
 
 from __future__ import annotations
 
-import tomllib
-from dataclasses import dataclass
 from pathlib import Path
+
+from .toc import Chapter, chapters, load_config, repo_root
 
 __all__ = [
     "Chapter", "repo_root", "load_config", "chapters", "chapter_table",
     "setup_notebook", "show_source", "load_recorded", "describe_recorded", "recorded_series", "tensor_maker",
 ]
-
-
-@dataclass(frozen=True)
-class Chapter:
-    number: int
-    file: str
-    title: str
-    path: Path
-
-
-def repo_root() -> Path:
-    """The folder holding book.toml (the repository root in a source checkout)."""
-    here = Path(__file__).resolve().parents[2]
-    for candidate in (here, Path.cwd(), *Path.cwd().parents):
-        if (candidate / "book.toml").exists():
-            return candidate
-    raise FileNotFoundError("book.toml not found next to the package or above the working directory")
-
-
-def load_config(root: Path | None = None) -> dict:
-    root = root or repo_root()
-    with open(root / "book.toml", "rb") as f:
-        return tomllib.load(f)
-
-
-def chapters(root: Path | None = None) -> list[Chapter]:
-    """Chapters in book order, as book.toml's [lightning-edu] table lists them."""
-    root = root or repo_root()
-    table = load_config(root)["lightning-edu"]
-    folder = root / table["notebook-dir"]
-    out = []
-    for entry in table["chapters"]:
-        number = int(entry["file"].split("_", 1)[0])
-        out.append(Chapter(number, entry["file"], entry["title"], folder / entry["file"]))
-    return out
 
 
 def chapter_table(root: Path | None = None) -> str:

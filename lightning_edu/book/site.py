@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import Chapter, chapters, load_config, repo_root
+from .toc import Chapter, chapters, load_config, repo_root
 
 __all__ = [
     "MDBOOK_VERSION", "KATEX_VERSION", "LIVE_COMMAND", "SiteBuildError", "MathError",

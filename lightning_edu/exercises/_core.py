@@ -22,6 +22,8 @@ import warnings
 import numpy as np
 
 from ..checks import to_numpy
+from . import _integrity
+from ._errors import ExerciseError, IntegrityError
 
 __all__ = [
     "ExerciseError",
@@ -39,14 +41,6 @@ __all__ = [
     "lines_by_size",
     "refuse_low_precision",
 ]
-
-
-class ExerciseError(AssertionError):
-    """Raised by a check with a message that says what is wrong and where."""
-
-
-class IntegrityError(ExerciseError):
-    """The reader's function calls the package's implementation instead of writing the algorithm."""
 
 
 # The seed note of the check now running: "" for the fixed inputs, "fresh inputs, seed 123" otherwise.
@@ -311,8 +305,6 @@ def exercise(number: str, *, allowed=(), strict=(), reveals=(), substitutes=None
 
         @functools.wraps(check)
         def run(fn, *args, seed: int | None = 0, **kwargs) -> None:
-            from . import _integrity
-
             offset, note = _resolve_seed(seed)
             if not takes_seed:  # a check without random inputs (it tests an input the reader made) runs as is
                 offset, note = 0, ""

@@ -21,7 +21,7 @@ import importlib
 import sys
 import types
 
-from ._core import ExerciseError, IntegrityError
+from ._errors import ExerciseError, IntegrityError
 
 __all__ = ["IntegrityError", "scan", "guarded", "implementation_name", "resolve"]
 
@@ -38,6 +38,7 @@ _SAFE_MODULES = (
     "lightning_edu.perf.environment",
     "lightning_edu.exercises",
     "lightning_edu.exercises._core",
+    "lightning_edu.exercises._errors",
     "lightning_edu.exercises._integrity",
 )
 _SAFE_PREFIXES = ("lightning_edu.book.",)
@@ -52,6 +53,7 @@ _IMPLEMENTATION_MODULES = (
     "lightning_edu.packed",
     "lightning_edu.errata",
     "lightning_edu.feature_maps",
+    "lightning_edu.feature_core",
     "lightning_edu.perf.costs",
     "lightning_edu.perf.decode",
     "lightning_edu.distributed",
