@@ -88,6 +88,26 @@ def test_decay_gradient_of_a_tiny_float32_lambda(device, backend, lam):
     assert relative_error(got[:1], want[:1]) < BOUNDS[backend, torch.float32]
 
 
+@on()
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("lam", [1e-45, 1e-38, 1e-8])
+def test_the_steps_decay_gradient_of_a_tiny_float32_lambda(device, backend, lam):
+    """One decoding step, S' = lambda S + k^T v and o = q S', with the loss <o, do> + <S', dS'>: dL/dlambda is
+    sum(S * G) with G = dS' + q^T do, in float64 here, for a float32 lambda that is subnormal or near it."""
+    rng = np.random.default_rng(7)
+    q, k, v, do = (rng.standard_normal((1, 2, 16)).astype(np.float32) for _ in range(4))
+    s0, ds = (rng.standard_normal((1, 2, 16, 16)).astype(np.float32) for _ in range(2))
+    decay = np.array([lam, 0.5], dtype=np.float32)
+    grad_state = ds.astype(np.float64) + q.astype(np.float64)[..., :, None] * do.astype(np.float64)[..., None, :]
+    want = (s0.astype(np.float64) * grad_state).sum(axis=(0, 2, 3))
+    t = lambda x: torch.tensor(x, device=device)  # noqa: E731
+    learned = t(decay).requires_grad_()
+    o, sn = le.lightning_attention_step(t(q), t(k), t(v), t(s0), learned, backend=backend)
+    ((o.double() * t(do).double()).sum() + (sn.double() * t(ds).double()).sum()).backward()
+    got = learned.grad.double().cpu().numpy()
+    assert relative_error(got, want) < 1e-6 and relative_error(got[:1], want[:1]) < 1e-6
+
+
 @settings(max_examples=15, deadline=None)
 @given(block=st.sampled_from([16, 32, 64]), n=st.integers(1, 90), lam=st.floats(0.05, 1.0))
 def test_block_size_does_not_change_the_decay_gradient(block, n, lam):
