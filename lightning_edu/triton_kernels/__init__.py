@@ -49,7 +49,8 @@ from .la2_literal import la2_literal_backward, la2_literal_forward
 from ._tiles import interpreted, sm_count
 from .la3 import la3_backward
 
-__all__ = ["VARIANTS", "triton_attention", "la2_forward", "la2_backward", "kernel_config", "tiles_for", "backward_kernel",
+__all__ = ["VARIANTS", "triton_attention", "autograd_log2_decay",
+           "la2_forward", "la2_backward", "kernel_config", "tiles_for", "backward_kernel",
            "log2_decay_tensor"]
 
 
@@ -192,6 +193,17 @@ def log2_decay_tensor(decay, device) -> torch.Tensor:
     return cached
 
 
+def autograd_log2_decay(decay, device) -> torch.Tensor:
+    """log2(lambda) per head for a call autograd may differentiate: :func:`log2_decay_tensor`'s float32, except for
+    a decay that requires grad (with grad mode on), whose log2 stays float64 in the graph. The kernels read it
+    rounded to float32, as ever; the gradient that comes back through it, d/d(log2 lambda) = ln 2 lambda
+    dL/dlambda, is subnormal in float32 for a float32 lambda near its smallest values (1e-45 .. 1e-37) and would
+    lose most of its digits there."""
+    if torch.is_tensor(decay) and decay.requires_grad and torch.is_grad_enabled():
+        return torch.log2(device_decay(decay, device, torch.float64))
+    return log2_decay_tensor(decay, device)
+
+
 def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
     """(o, final_state) by the Triton backend; ``decay`` is a sequence of per-head lambdas (or a tensor).
 
@@ -205,13 +217,8 @@ def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
     bfloat16 inputs off CUDA (the CPU interpreter) are computed in float32 and o is returned as bfloat16;
     gradients flow back to the bfloat16 leaves as bfloat16. The forward keeps its segment states for the backward
     only when a gradient can be asked for (grad mode on and an input requiring one).
-    A decay that requires grad gets its log2 in float64 (the kernels read it rounded to float32, as ever): the
-    gradient that comes back through it, d/d(log2 lambda) = ln 2 lambda dL/dlambda, is subnormal in float32 for a
-    float32 lambda near its smallest values (1e-45 .. 1e-37) and would lose most of its digits there."""
-    if torch.is_tensor(decay) and decay.requires_grad and torch.is_grad_enabled():
-        log2_decay = torch.log2(device_decay(decay, q.device, torch.float64))
-    else:
-        log2_decay = log2_decay_tensor(decay, q.device)
+    A decay that requires grad gets its log2 in float64 (:func:`autograd_log2_decay`)."""
+    log2_decay = autograd_log2_decay(decay, q.device)
     inputs = (q, k, v, log2_decay, initial_state)
     save = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
     if torch.compiler.is_compiling() or q.is_meta or not all(x is None or type(x) in _PLAIN for x in inputs):

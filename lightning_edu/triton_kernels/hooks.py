@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..validation import device_decay
-from . import log2_decay_tensor, tiles_for, triton_attention
+from . import autograd_log2_decay, log2_decay_tensor, tiles_for, triton_attention
 from ._tiles import cdiv, dense, upcast_for_interpreter
 from .decode import decode_op, step_kernels
 from .la1 import la1_backward, la1_forward
@@ -71,10 +70,11 @@ def la2_literal_backward_from_args(args, d_final_state=None):
     return _back(dq, args.q), _back(dk, args.k), _back(dv, args.v), ds0
 
 
-def _la2_fast_config(args, q, segments: bool, fused_dkdv: bool) -> tuple[dict, dict]:
-    cfg = tiles_for(q, args.v, args.block_size)
+def _la2_fast_config(q, v, block_size, segments: bool, fused_dkdv: bool) -> tuple[dict, dict]:
+    """(la2_fast's tiles for q (batch, heads, n, d_k) and v, the backward's extra options) of a variant."""
+    cfg = tiles_for(q, v, block_size)
     if not segments:  # one segment: the whole sequence, in whole blocks
-        cfg["seg_len"] = cdiv(args.seq_len, cfg["block"]) * cfg["block"]
+        cfg["seg_len"] = cdiv(q.shape[2], cfg["block"]) * cfg["block"]
     backward_only = dict(fused_dkdv=True, dkdv_block=64, dkdv_warps=8) if fused_dkdv else {}
     return cfg, backward_only
 
@@ -91,7 +91,7 @@ def la2_fast_from_args(args, *, segments: bool = True, reuse_states: bool = True
     if segments and reuse_states and not fused_dkdv:
         return triton_attention(args.q, args.k, args.v, args.decay, args.initial_state, args.block_size)
     q, k, v = _tensors(args.q, args.k, args.v)
-    cfg, _ = _la2_fast_config(args, q, segments, fused_dkdv)
+    cfg, _ = _la2_fast_config(q, args.v, args.block_size, segments, fused_dkdv)
     o, sn = la2_fast_forward(q, k, v, log2_decay_tensor(args.decay, q.device), args.initial_state, **cfg)
     return _back(o, args.v), sn
 
@@ -115,10 +115,7 @@ def _fast_backward(q, k, v, do, log2_decay, initial_state, d_final_state, block_
     """(dq, dk, dv in the dtypes of q, k, v, d_initial_state fp32) by la2_fast_backward, without saved states: its
     own pre-pass gives the segment states (the forward's are not at hand). The gradients are contiguous."""
     qc, kc, vc, doc = _tensors(q, k, v, do)
-    cfg = tiles_for(qc, v, block_size)
-    if not segments:  # one segment: the whole sequence, in whole blocks
-        cfg["seg_len"] = cdiv(q.shape[2], cfg["block"]) * cfg["block"]
-    extra = dict(fused_dkdv=True, dkdv_block=64, dkdv_warps=8) if fused_dkdv else {}
+    cfg, extra = _la2_fast_config(qc, v, block_size, segments, fused_dkdv)
     dq, dk, dv, ds0 = la2_fast_backward(qc, kc, vc, doc, log2_decay, initial_state, d_final_state, **cfg, **extra)
     return _back(dq, q), _back(dk, k), _back(dv, v), ds0
 
@@ -143,7 +140,7 @@ def la3_backward_from_args(args, d_final_state=None, *, chunk: int | None = None
     """The recompute-heavy backward (its forward is la2_fast's); the options set its dK/dV kernel's tiles, None
     for :func:`~.la3.la3_tiles`'s."""
     q, k, v, do = _tensors(args.q, args.k, args.v, args.do)
-    cfg, _ = _la2_fast_config(args, q, True, False)
+    cfg, _ = _la2_fast_config(q, args.v, args.block_size, True, False)
     dq, dk, dv, ds0 = la3_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,
                                    d_final_state, **cfg, chunk=chunk, micro=micro, dkdv_warps=dkdv_warps,
                                    dkdv_stages=dkdv_stages)
@@ -177,13 +174,7 @@ def decode_from_args(args):
     alone (:func:`~.decode.step_kernels`). Otherwise, and under :func:`torch.compile` or for tensor subclasses,
     the custom op ``lightning_edu::decode_step`` (:func:`~.decode.decode_op`), whose registered backward gives
     the gradients of q, k, v, the state and a learnable decay."""
-    if torch.is_tensor(args.decay) and args.decay.requires_grad and torch.is_grad_enabled():
-        # log2 in float64, as triton_attention takes it: the kernel reads it rounded to float32, and the gradient
-        # back through it, ln 2 lambda dL/dlambda, keeps its digits where float32 would make it subnormal
-        log2_decay = torch.log2(device_decay(args.decay, args.q.device, torch.float64))
-    else:
-        log2_decay = log2_decay_tensor(args.decay, args.q.device)
-    inputs = (args.q, args.k, args.v, args.state, log2_decay)
+    inputs = (args.q, args.k, args.v, args.state, autograd_log2_decay(args.decay, args.q.device))
     return decode_op(*inputs) if _needs_op(inputs) else step_kernels(*inputs)
 
 
