@@ -127,11 +127,9 @@ VARIANTS = {
 
 def backward_kernel(d_k: int, d_v: int, dtype: torch.dtype):
     """The backend's backward: la3's (dK and dV in one reverse sweep) for 16-bit inputs with d_k = d_v <= 64,
-    la2_fast's (three reversed forwards) otherwise. Measured on an H100 (bf16, 16 heads, 32K tokens per call,
-    backward alone, notebooks/data/la3_h100.json, chapter 09): at d = 64 la3's backward took 0.354 / 0.450 /
-    0.376 / 1.688 ms against la2_fast's 0.412 / 0.513 / 0.444 / 1.889 ms at T = 2K / 8K / 32K / 128K; at d = 128
-    it was 1.24-1.32x slower (its d x d fp32 state spills registers). fp32 keeps la2_fast's: la3's fp32 tiles
-    are the small, slow ones."""
+    la2_fast's (three reversed forwards) otherwise: la3's was the faster at d = 64 at every length measured, and
+    the slower at d = 128, where its d x d fp32 state spills registers (chapter 09, notebooks/data/la3_h100.json).
+    fp32 keeps la2_fast's: la3's fp32 tiles are the small, slow ones."""
     if dtype in (torch.float16, torch.bfloat16) and d_k == d_v <= 64:  # measured at d_k = d_v only
         return la3_backward
     return la2_fast_backward

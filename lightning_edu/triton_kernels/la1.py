@@ -345,8 +345,8 @@ def la1_backward_dkdv_kernel(
                                        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                                        D_K, D_V, PAD_K, PAD_V, BLOCK_M, BLOCK_N, PRECISION, False)
         # A non-finite Q or dO entry always shows in the output tiles. Flagged by masked stores, not by the
-        # read-back of the other two kernels: here that cost 7% (two tiles), a cross-warp reduction 22% at d = 64
-        # and 4% at d = 128 (H100, bf16, 16 heads x 8K tokens; this kernel's fast pass alone).
+        # read-back of the other two kernels: here a read-back (two tiles) or a cross-warp reduction cost more of
+        # this kernel's fast pass than the masked stores do.
         flag_nonfinite(flag, out_dk)
         flag_nonfinite(flag, out_dv)
 

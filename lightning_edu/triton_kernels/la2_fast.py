@@ -453,17 +453,13 @@ def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: i
     Two programs of the backend's 16-bit kernels fit on an SM at once (registers and shared memory), so up to
     ``2 * sm_count`` programs run as one wave. One program more starts a second wave, in which a few programs run
     while most SMs wait: rounding the segment count up (17 segments of a 16-head sequence on 132 SMs, 272
-    programs) made the forward 1.19-1.25x slower than rounding it down (16 segments, 256 programs) on an H100
-    (bf16, d = 128 with d_v whole: 1.82 against 1.46 ms at 1 x 128K tokens, 0.447 against 0.375 ms at 4 x 8K; chapter 07).
+    programs) made the forward slower than rounding it down (16 segments, 256 programs; chapter 07 measures it).
     A program of :data:`WHOLE_DV`'s tiles fills an SM alone (:data:`WHOLE_DV_PER_SM`): its caller passes
     ``per_sm=1``. seg_len is a multiple of ``block`` so every segment but the last is made of whole blocks.
 
     Short sequences. Segments cost launches: a pre-pass before the pass, in the forward and in the backward, and
-    on a short call the host's time is the call's time. On an H100 (bf16, d = 64, 1 x 4 heads x 256 tokens,
-    forward + backward) one segment instead of four took 0.97 against 1.10 ms of host time per call
-    (``lightning_attention``, measured before calls replayed their recorded launches, which brought it to
-    0.61 ms at commit f340466), while the GPU's time alone (the call replayed as a CUDA graph) went from 27 to
-    36 us; at d = 128 from 44 to 57 us. The backend passes ``short`` = :data:`SHORT_BLOCKS` on a GPU.
+    on a short call the host's time is the call's time: there one segment saves more host time than it costs the
+    GPU (chapter 07). The backend passes ``short`` = :data:`SHORT_BLOCKS` on a GPU.
     """
     if seg_len is None:
         want = max(1, per_sm * sm_count // max(programs, 1))
@@ -487,18 +483,14 @@ def sliced_forward(batch_heads: int, n: int, d_v: int, block: int, sm_count: int
 
     Segments and slices both add programs. A segment re-reads K and V from HBM in the pre-pass; a slice re-reads
     Q and K, but at the same time as the other slices of its (batch, head) (one wave), and L2 serves the reads:
-    under Nsight Compute on an H100 (``python -m lightning_edu.perf.kernels``, T = 8K) the sliced forward read
-    3.00 tensors' worth of bytes from DRAM at d = 64 and 3.20 at d = 128, where q, k and v are three.
+    the sliced forward reads about the three tensors' worth of bytes of q, k and v from DRAM (chapter 07's
+    profile, ``python -m lightning_edu.perf.kernels``).
     Where the usual 64-column slices leave SMs idle (``batch_heads * cdiv(d_v, 64) < sm_count``) and 32-column
     slices fill them, one segment of 32-column slices skips the pre-pass. Enough means: with at most two slices
     (d_v <= 64) one program per SM, less a tenth; with more (d_v <= 128) two per SM, less an eighth, since each
-    slice repeats the scores tile. Measured on an H100 (bf16, 16 heads, 32K tokens per call; forward of the
-    public call): at d = 128, T = 8K (256 programs) 0.292 against 0.326 ms, and at T = 16K (128 programs, not
-    taken) 0.349 against 0.344 ms; at d = 64, T = 8K (128 programs), the kernels alone 0.136 against 0.153 ms.
+    slice repeats the scores tile; below those counts the usual plan was as fast or faster (chapter 07).
     With a backward to follow the forward keeps its segments: their saved states spare the dQ pass its
-    pre-pass, and with them the forward + backward at d = 128, T = 8K took 1.16-1.21 ms against 1.19-1.23 ms
-    without. Three pipeline stages: with two, the sliced kernels alone took 0.390 ms at d = 128,
-    T = 8K."""
+    pre-pass. Three pipeline stages, the faster of two and three."""
     slices = cdiv(d_v, SLICE)
     if not SLICE < d_v <= 128 or batch_heads * cdiv(d_v, 64) >= sm_count:  # d_v <= 32: no more programs to gain
         return None
@@ -723,7 +715,7 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     By default the backward is three runs of the forward kernel: dQ = forward(dO, V, K) from S0^T, and in
     reversed time dV = forward(K, Q, dO) and dK = forward(V, dO, Q). ``fused_dkdv=True`` runs dK and dV
     in one kernel over the shared state instead (fewer bytes, but 7 dots per block on a d_k x d_v fp32
-    state; slower on an H200, see chapter 08); it has its own tiles (dkdv_block, dkdv_warps, dkdv_stages).
+    state; slower, see chapter 08); it has its own tiles (dkdv_block, dkdv_warps, dkdv_stages).
 
     Two passes are saved on long sequences. ``saved`` (from ``la2_fast_forward(..., save_states=True)``)
     gives dQ every segment's incoming state KV^T, so it skips its pre-pass over K and V. And the dV and dK

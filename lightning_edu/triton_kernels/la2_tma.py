@@ -116,13 +116,11 @@ def backend_takes(q, v) -> bool:
     64 < max(d_k, d_v) <= 128, and at least :data:`MIN_ROWS` rows, where they were measured faster (chapter 07).
     The launchers still ask :func:`tma_ready` of the call's tensors.
 
-    Why a least size. A descriptor costs the host: built at every call (or rebuilt at every replay, 4-6 us each on
-    an H100 machine's host), and encoded again by Triton's launcher at every launch; a forward + backward takes
-    eight. A short call is bound by the host, and there the descriptors made it slower: a forward + backward of
-    1 x 4 x 256 at d = 128 (``bench --tiny``, three runs on one H100, notebooks/data/tiny_tma_h100.json) took
-    0.726 / 0.805 / 0.929 ms with them against 0.601 / 0.433 / 0.678 ms without. From about 2^18 rows on, the GPU's
-    time for a forward + backward at d = 128 (about 0.5 ms) passes the host's for the call, which then overlaps it;
-    at 2^19 rows (16 heads x 32K tokens) the descriptors were faster at every length measured."""
+    Why a least size. A descriptor costs the host: built at every call (or rebuilt at every replay), and encoded
+    again by Triton's launcher at every launch; a forward + backward takes eight. A short call is bound by the
+    host, and there the descriptors made it slower (``bench --tiny``, notebooks/data/tiny_tma_h100.json). From
+    about 2^18 rows on, the GPU's time for a forward + backward at d = 128 passes the host's for the call, which
+    then overlaps it, and the descriptors were faster at every length measured (chapter 07)."""
     import torch
 
     return (BACKEND and q.dtype in (torch.float16, torch.bfloat16) and 64 < max(q.shape[-1], v.shape[-1]) <= 128
