@@ -52,12 +52,22 @@ OPS = ("attention", "step")  # a whole sequence (lightning_attention), one decod
 TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
 
 
+_MODULES: dict[str, Any] = {}  # module name -> the module, once imported
+
+
 def _resolve(path: str | None) -> Callable | None:
+    """The function a "module:function" path names, read from its module at every call (so a patched function is
+    the one called). The module is imported on its first use and kept: a later call, one that torch.compile traces
+    among them, finds it here (Dynamo can trace neither an import nor, safely, sys.modules, which another thread
+    importing a module may change during the trace; the backends' modules are imported with the registry)."""
     if path is None:
         return None
     module, name = path.split(":")
-    loaded = sys.modules.get(module)  # already imported: no importlib call (torch.compile cannot trace one)
-    return getattr(loaded if loaded is not None else importlib.import_module(module), name)
+    loaded = _MODULES.get(module)
+    if loaded is None:
+        loaded = sys.modules.get(module)  # already imported: no importlib call (torch.compile cannot trace one)
+        loaded = _MODULES[module] = loaded if loaded is not None else importlib.import_module(module)
+    return getattr(loaded, name)
 
 
 # (hook path, "forward" or "backward") -> the options that hook declares, filled on a hook's first use (for the

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,18 +25,23 @@ __all__ = [
 ]
 
 
-def _torch():
-    import torch
+try:  # a dependency, and imported with the package anyway (lightning_edu/__init__.py)
+    import torch as _TORCH
+except ImportError:  # pragma: no cover
+    _TORCH = None
 
-    return torch
+
+def _torch():
+    return _TORCH
 
 
 def _kind(x: Any) -> str | None:
-    """'numpy' for numpy arrays, 'torch' for torch tensors, None otherwise."""
+    """'numpy' for numpy arrays, 'torch' for torch tensors, None otherwise. (torch is bound once, at import: a
+    lookup in sys.modules here would have torch.compile trace that dictionary, which another thread importing a
+    module can change under it.)"""
     if isinstance(x, np.ndarray):
         return "numpy"
-    torch = sys.modules.get("torch")  # not imported here: numpy-only callers never load torch
-    if torch is not None and isinstance(x, torch.Tensor):
+    if _TORCH is not None and isinstance(x, _TORCH.Tensor):
         return "torch"
     return None
 
