@@ -194,7 +194,10 @@ def main(argv=None) -> int:
         scratch.mkdir(parents=True, exist_ok=True)
         steps = {}
         if args.only != "notebooks":
-            tests_env = {**env, "TRITON_CACHE_DIR": str(Path(scratch_name) / "triton_cache")}
+            # Inductor compiles in each worker's own process: with N workers its default pool of one compile
+            # process per core would start N x cores processes on the machine's cores.
+            tests_env = {**env, "TRITON_CACHE_DIR": str(Path(scratch_name) / "triton_cache"),
+                         "TORCHINDUCTOR_COMPILE_THREADS": "1"}
             ignores = [x for path in NOT_COLLECTED for x in ("--ignore", path)]
             steps["tests"] = step("tests", [sys.executable, "-m", "pytest", "-m", "gpu", "-n", str(args.workers),
                                             "--dist", "loadgroup", "-q", "-p", "no:cacheprovider", "tests", *ignores,
