@@ -18,10 +18,11 @@ Trust: :mod:`.checks` (comparisons, the ``cmp`` table), :mod:`.precision` (the e
 backend and dtype), :mod:`.errata` (the printed equations of the Lightning Attention-2 paper and the LA-3
 design note, run against autograd).
 
-Side tools, in two packages: :mod:`.book` (table of contents, notebook helpers, :mod:`.book.plots`, the
-widgets :mod:`.book.decay_view` and :mod:`.book.explorer`) and :mod:`.perf` (:mod:`.perf.costs`,
-:mod:`.perf.measure`, :mod:`.perf.torch_sweep`, :mod:`.perf.bench`, :mod:`.perf.environment`); and
-:mod:`.exercises`, one checker module per chapter.
+Side tools: :mod:`.book` (table of contents, notebook helpers, :mod:`.book.plots`, the widgets
+:mod:`.book.decay_view` and :mod:`.book.explorer`); the cost model :mod:`.costs`, the timing helpers :mod:`.measure`,
+what chapters 06 and 10 measure live (:mod:`.sweeps`, :mod:`.drift`) and the record of where a measurement was taken
+(:mod:`.environment`); and :mod:`.exercises`, one checker module per chapter. The drivers that recorded the book's
+measurements are not part of the package: they live in the repository's ``benchmarks/`` folder.
 
 Beyond one layer: :mod:`.distributed` (one sequence across processes or GPUs, chapter 12) and :mod:`.models`
 (small decoders with a swappable attention, the per-head decay schedules of the implementations, the MQAR

@@ -5,7 +5,7 @@ Each rung (numpy -> torch -> triton) holds several forms of the same function, p
 record saying what it supports (dtypes, head dims, initial and final state, a backward), which
 implementation (on its rung or one rung down) it is checked against, and its benchmark defaults. The
 public API (:mod:`lightning_edu.api`) dispatches through it and the tests (``tests/test_registry.py``)
-iterate over :data:`IMPLEMENTATIONS`, and the GPU benchmark (:mod:`lightning_edu.perf.bench`) builds one method
+iterate over :data:`IMPLEMENTATIONS`, and the GPU benchmark (:mod:`benchmarks.bench`) builds one method
 per Triton record whose ``bench`` defaults are set.
 
 Every record's ``forward`` and ``backward`` take arguments that :mod:`lightning_edu.validation` has already

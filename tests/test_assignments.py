@@ -108,7 +108,7 @@ def test_the_hidden_sources_are_the_ones_exercises_ask_for():
 
 
 def test_a_reveal_named_with_its_module_is_hidden_too():
-    # 13.1 declares reveals=("lightning_edu.perf.tgs.fit_tgs",); the chapter shows show_source(fit_tgs)
+    # 13.1 declares reveals=("lightning_edu.models.tgs.fit_tgs",); the chapter shows show_source(fit_tgs)
     copy = student_source(read(ROOT / "notebooks" / "13_models.ipynb"))
     shown = [t for c in copy.cells for t in re.findall(r"show_source\(\s*([\w.]+)", c.source)]
     assert "fit_tgs" not in shown

@@ -13,15 +13,17 @@ import torch
 import lightning_edu as le
 from lightning_edu import registry, validation
 from lightning_edu.checks import relative_error
-from lightning_edu.perf import bench
+from benchmarks import bench
+from lightning_edu import book, costs
+from lightning_edu.models.decay import head_decays
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_hbm_floor_counts_four_tensors_forward_and_seven_backward():
     # 16 x 2048 x 16 x 128 bf16 elements per tensor = 128 MiB (the benchmark's shape at T = 2K)
-    assert bench.hbm_floor_bytes(16, 2048, 16, 128) == 4 * 2**27
-    assert bench.hbm_floor_bytes(16, 2048, 16, 128, backward=True) == 7 * 2**27
+    assert costs.hbm_floor_bytes(16, 2048, 16, 128) == 4 * 2**27
+    assert costs.hbm_floor_bytes(16, 2048, 16, 128, backward=True) == 7 * 2**27
 
 
 def test_refuses_to_time_without_a_gpu(monkeypatch):
@@ -90,11 +92,11 @@ def test_method_table_reads_records_not_names():
 
 
 def test_recorded_names_map_to_current_methods():
-    assert set(bench.RECORDED_NAMES.values()) <= set(bench.METHODS)
+    assert set(book.RECORDED_NAMES.values()) <= set(bench.METHODS)
     recorded = sorted((ROOT / "notebooks" / "data").glob("bench_*.json"))
     assert recorded, "no recorded benchmark to read"
     for path in recorded:
-        data = bench.with_current_names(json.loads(path.read_text()))
+        data = book.with_current_names(json.loads(path.read_text()))
         names = {r["method"] for r in data["results"]} | set(data["correctness_rel_err"]) | set(data["unavailable"])
         assert names <= set(bench.METHODS), f"{path.name}: {sorted(names - set(bench.METHODS))}"
 
@@ -111,7 +113,7 @@ def test_cli_takes_recorded_names_and_refuses_unknown_ones(monkeypatch, capsys):
 def _tiny(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(1, 2, 20, 16, generator=g).to(dtype) for _ in range(4))
-    return q, k, v, do, bench.head_decays(2)
+    return q, k, v, do, head_decays(2)
 
 
 @pytest.mark.parametrize("name", [n for n, m in bench.METHODS.items() if m.implementation is not None])
@@ -147,7 +149,7 @@ def test_method_refuses_what_its_record_does_not_support():
 
 
 def test_environment_commit_prefers_the_variable_given_for_a_copied_checkout(monkeypatch):
-    from lightning_edu.perf.environment import git_commit
+    from lightning_edu.environment import git_commit
 
     monkeypatch.setenv("LIGHTNING_EDU_COMMIT", "0123456789abcdef")
     assert git_commit() == "0123456789abcdef"
@@ -156,7 +158,7 @@ def test_environment_commit_prefers_the_variable_given_for_a_copied_checkout(mon
 
 
 def test_a_record_is_saved_whole_or_not_at_all(tmp_path):
-    from lightning_edu.perf.environment import save_record
+    from lightning_edu.environment import save_record
 
     path = tmp_path / "r.json"
     save_record(path, {"results": [1.5]})
@@ -206,7 +208,7 @@ def test_run_table_interleaves_every_shape_and_skips_past_max_T(monkeypatch):
     monkeypatch.setattr(bench, "METHODS", methods)
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e12)
     monkeypatch.setattr(bench, "_correctness", lambda *a: 0.0)
-    monkeypatch.setattr(bench, "_inputs", lambda batch, heads, T, d, dtype: [torch.zeros(batch, heads, T, d)] * 4)
+    monkeypatch.setattr(bench, "benchmark_inputs", lambda batch, heads, T, d, dtype: [torch.zeros(batch, heads, T, d)] * 4)
 
     def measure(make, q, *rest):
         order.append((next(n for n, m in methods.items() if m.make is make), q.shape[2]))
@@ -237,7 +239,7 @@ def test_backward_on_caller_turns_autograds_device_thread_off_for_the_backward_o
     monkeypatch.setattr(bench, "METHODS", {"ours": bench.Method("ours", make)})
     monkeypatch.setattr(bench, "copy_bandwidth", lambda: 1e12)
     monkeypatch.setattr(bench, "_correctness", lambda *a: 0.0)
-    monkeypatch.setattr(bench, "_inputs", lambda batch, heads, T, d, dtype: [torch.zeros(batch, heads, T, d)] * 4)
+    monkeypatch.setattr(bench, "benchmark_inputs", lambda batch, heads, T, d, dtype: [torch.zeros(batch, heads, T, d)] * 4)
 
     def measure(wrapped, *inputs):
         fwd, fwdbwd = wrapped(*inputs)
@@ -251,23 +253,6 @@ def test_backward_on_caller_turns_autograds_device_thread_off_for_the_backward_o
                                      out=None, backward_on_caller=on_caller)
         data = bench.run_table(args)
         assert seen.pop() == (True, not on_caller) and data.get("backward_on_caller", False) is on_caller
-
-
-@pytest.mark.parametrize("module", ["bench", "host", "first_call", "figure3", "tgs", "quality", "decode", "drift",
-                                    "la3_sweep", "torch_sweep", "kernels"])
-def test_every_measuring_module_answers_help_with_its_usage_and_writes_nothing(module, tmp_path, monkeypatch, capsys):
-    import importlib
-
-    monkeypatch.chdir(tmp_path)
-    mod = importlib.import_module(f"lightning_edu.perf.{module}")
-    main = getattr(mod, "main", None) or mod._main  # torch_sweep's entry point returns its record
-    try:
-        status = main(["--help"])
-    except SystemExit as exc:  # argparse's help exits
-        status = exc.code
-    assert status == 0
-    assert f"lightning_edu.perf.{module}" in capsys.readouterr().out
-    assert list(tmp_path.iterdir()) == []  # "--help" was not taken for the output file
 
 
 def test_run_tiny_interleaves_its_methods_in_rounds(monkeypatch):
@@ -287,10 +272,10 @@ def test_run_tiny_interleaves_its_methods_in_rounds(monkeypatch):
         return bench.Method(name, made)
 
     monkeypatch.setattr(bench, "METHODS", {name: make(name) for name in ("ours", "theirs", "broken")})
-    monkeypatch.setattr(bench, "_inputs", lambda batch, heads, T, d, dtype: [torch.zeros(batch, heads, T, d)] * 4)
+    monkeypatch.setattr(bench, "benchmark_inputs", lambda batch, heads, T, d, dtype: [torch.zeros(batch, heads, T, d)] * 4)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     walls = iter(range(1, 100))
-    monkeypatch.setattr("lightning_edu.perf.measure.median_time",
+    monkeypatch.setattr("lightning_edu.measure.median_time",
                         lambda fn, repeat, warmup: (fn(), next(walls) / 1e3)[1])
     args = types.SimpleNamespace(D=[16, 32], dtype="fp32", methods=["ours", "theirs", "broken"], rounds=3)
     data = bench.run_tiny(args)
@@ -309,7 +294,7 @@ def test_run_tiny_interleaves_its_methods_in_rounds(monkeypatch):
 def test_two_ways_interleaves_its_rounds_and_summarises_each_way():
     # perf.prepass and perf.redo time a setting off and on in turn: off, on, off, on, ...; each way's entry holds
     # the median, the rounds and the floor over the median.
-    from lightning_edu.perf.two_ways import summary, time_two_ways
+    from benchmarks.two_ways import summary, time_two_ways
 
     switched, way = [], {}
     times, firsts = time_two_ways(lambda on: switched.append(on) or way.update(on=on),

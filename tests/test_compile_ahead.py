@@ -12,7 +12,7 @@ import pytest
 import torch
 from kernel_cases import marks, on
 
-from lightning_edu.perf import first_call
+from benchmarks import first_call
 from lightning_edu.triton_kernels import _tiles, ops
 
 

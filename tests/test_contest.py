@@ -604,7 +604,7 @@ def gpu_parts_stubbed(monkeypatch):
 
     import triton.testing
 
-    import lightning_edu.perf.bench as bench
+    import lightning_edu.measure as measure
     import lightning_edu.triton_kernels as kernels
 
     def inputs(batch, heads, T, d, dtype, seed=0):
@@ -618,8 +618,8 @@ def gpu_parts_stubbed(monkeypatch):
 
     log2_decay_tensor = kernels.log2_decay_tensor
     monkeypatch.setattr(contest, "_require_gpu", lambda who: None)
-    monkeypatch.setattr(bench, "_inputs", inputs)
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda nbytes=0: 1e12)
+    monkeypatch.setattr(measure, "benchmark_inputs", inputs)
+    monkeypatch.setattr(measure, "copy_bandwidth", lambda nbytes=0: 1e12)
     monkeypatch.setattr(triton.testing, "do_bench", one_call)
     monkeypatch.setattr(kernels, "log2_decay_tensor", lambda decay, device: log2_decay_tensor(decay, "cpu"))
 

@@ -1,4 +1,4 @@
-"""The cost model (lightning_edu.perf.costs) against hand counts and against the numpy code it models."""
+"""The cost model (lightning_edu.costs) against hand counts and against the numpy code it models."""
 
 import math
 import types
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lightning_edu import numpy_blockwise
-from lightning_edu.perf.costs import Hardware, attention_cost, block_size_sweep, modelled_time, optimal_block_size
+from lightning_edu.costs import Hardware, attention_cost, block_size_sweep, modelled_time, optimal_block_size
 
 
 # ---------------------------------------------------------------- hand counts, written out
@@ -209,7 +209,7 @@ def test_hardware_and_time_arguments_are_checked():
 def test_la3_cost_counts_every_block_of_the_dq_pass(n, d_k, d_v, dq_block):
     # dQ is Algorithm 1 with (dO, V, K): the blockwise forward's FLOPs with d_k and d_v swapped, block by block;
     # the dK/dV sweep's FLOPs from la3_cost's own formula (chunks of 64, micro-chunks of 16)
-    from lightning_edu.perf.costs import attention_cost, la3_cost
+    from lightning_edu.costs import attention_cost, la3_cost
 
     fwd = attention_cost("blockwise", n, d_v, d_k, dq_block)
     dq = fwd.intra_flops + fwd.inter_flops + fwd.state_flops
@@ -221,7 +221,7 @@ def test_la3_cost_counts_every_block_of_the_dq_pass(n, d_k, d_v, dq_block):
 
 
 def test_one_pass_balance_counts_kv_saved_against_states_handed_on():
-    from lightning_edu.perf.costs import one_pass_balance
+    from lightning_edu.costs import one_pass_balance
 
     # d = 128: a 256-row segment's K and V (2 x 256 x 128 x 2 bytes) against one 128 x 128 float32 state written and read
     assert one_pass_balance(128, 256, 1) == 2 * 256 * 128 * 2 - 2 * 128 * 128 * 4 == 0

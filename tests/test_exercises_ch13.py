@@ -8,7 +8,7 @@ import pytest
 
 from lightning_edu.exercises import ExerciseError, IntegrityError
 from lightning_edu.exercises.ch13 import check_fit_tgs, check_perplexity_gap
-from lightning_edu.perf.tgs import fit_tgs as package_fit_tgs
+from lightning_edu.models.tgs import fit_tgs as package_fit_tgs
 
 
 def _fit(kind="right"):

@@ -7,7 +7,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from lightning_edu.book import explorer as ex
-from lightning_edu.perf.costs import attention_cost
+from lightning_edu.costs import attention_cost
 
 
 @pytest.fixture(scope="module")

@@ -6,27 +6,28 @@ import pytest
 import torch
 
 from lightning_edu import errata
-from lightning_edu.perf import decode, drift
+from benchmarks import decode
+from lightning_edu import costs, drift
 
 
 def test_memory_formulas_count_the_bytes_of_real_tensors():
     layers, heads, d, n, batch = 2, 3, 16, 50, 4
     cache = [torch.empty(batch, heads, n, d, dtype=torch.bfloat16) for _ in range(2 * layers)]  # K and V per layer
     states = [torch.empty(batch, heads, d, 8, dtype=torch.float32) for _ in range(layers)]
-    assert decode.kv_cache_bytes(n, layers=layers, heads=heads, head_dim=d, batch=batch) == sum(
+    assert costs.kv_cache_bytes(n, layers=layers, heads=heads, head_dim=d, batch=batch) == sum(
         t.numel() * t.element_size() for t in cache)
-    assert decode.state_bytes(layers=layers, heads=heads, d_k=d, d_v=8, batch=batch) == sum(
+    assert costs.state_bytes(layers=layers, heads=heads, d_k=d, d_v=8, batch=batch) == sum(
         t.numel() * t.element_size() for t in states)
-    rows = decode.memory_table()
-    assert [r["tokens"] for r in rows] == list(decode.CONTEXTS)
+    rows = costs.memory_table()
+    assert [r["tokens"] for r in rows] == list(costs.CONTEXTS)
     assert all(r["ratio"] == r["kv_cache_bytes"] / r["state_bytes"] for r in rows)
     # break-even at n = d: 2 n d x 2 bytes = d^2 x 4 bytes
-    assert decode.kv_cache_bytes(128, layers=1, heads=1, head_dim=128) == decode.state_bytes(layers=1, heads=1, d_k=128)
+    assert costs.kv_cache_bytes(128, layers=1, heads=1, head_dim=128) == costs.state_bytes(layers=1, heads=1, d_k=128)
 
 
 def test_step_floor_counts_state_twice_and_the_vectors_once():
     b, h, dk, dv = 3, 2, 8, 4
-    assert decode.step_floor_bytes(b, h, dk, dv) == b * h * (2 * dk * dv * 4 + (2 * dk + 2 * dv) * 2)
+    assert costs.step_floor_bytes(b, h, dk, dv) == b * h * (2 * dk * dv * 4 + (2 * dk + 2 * dv) * 2)
 
 
 def test_decode_main_refuses_without_cuda(capsys):

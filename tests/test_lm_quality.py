@@ -1,4 +1,4 @@
-"""The byte-level language model task (lightning_edu.models.lm) and the quality runner (lightning_edu.perf.quality)."""
+"""The byte-level language model task (lightning_edu.models.lm) and the quality runner (lightning_edu.models.quality)."""
 
 import copy
 import importlib
@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from lightning_edu.models.lm import VOCAB, corpus_bytes, evaluate_lm, lm_batches, perplexity, split_corpus
-from lightning_edu.perf import quality
-from lightning_edu.perf.quality import KINDS, PRESETS, lm_run, mqar_run
+from benchmarks import quality as quality_cli
+from lightning_edu.models import quality
+from lightning_edu.models.quality import KINDS, PRESETS, lm_run, mqar_run
 
 DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
 
@@ -450,13 +451,13 @@ def _fake_clock():
 def test_main_budget_zero_skips_everything(tmp_path):
     out = tmp_path / "q.json"
     argv = ["--preset", "cpu", "--kinds", "softmax", "--only", "mqar", "--budget", "0", "--out", str(out)]
-    assert quality.main(argv) == 0
+    assert quality_cli.main(argv) == 0
     record = json.loads(out.read_text())
     assert record["results"] == [] and "lm" not in record and "mqar" not in record
     assert record["skipped"] == [f"mqar softmax pairs {p}" for p in PRESETS["cpu"]["mqar"]["pairs"]]
     assert "corpus" not in record  # --only mqar: the language model is not touched
-    assert record["command"] == "python -m lightning_edu.perf.quality " + " ".join(argv)
-    assert record["command"].startswith("python -m lightning_edu.perf.quality")
+    assert record["command"] == "python -m benchmarks.quality " + " ".join(argv)
+    assert record["command"].startswith("python -m benchmarks.quality")
     assert isinstance(record["machine"], str) and record["machine"]
     assert "commit" in record
     assert record["commit"] is None or re.fullmatch(r"[0-9a-f]{40}(\+local changes)?", record["commit"])
@@ -466,7 +467,7 @@ def test_main_budget_zero_skips_everything(tmp_path):
 
 def test_main_budget_skips_later_runs(tmp_path, monkeypatch):
     now, clock = _fake_clock()
-    monkeypatch.setattr(quality, "time", clock)
+    monkeypatch.setattr(quality_cli, "time", clock)
     calls = []
 
     def fake_mqar(kind, cfg, pairs, seed, device, autocast_dtype):
@@ -475,10 +476,10 @@ def test_main_budget_skips_later_runs(tmp_path, monkeypatch):
         return {"kind": kind, "pairs": pairs, "seed": seed, "accuracy": 0.5, "final_loss": 1.0,
                 "loss_curve": [[1, 1.0]], "seconds": 10.0}
 
-    monkeypatch.setattr(quality, "mqar_run", fake_mqar)
+    monkeypatch.setattr(quality_cli, "mqar_run", fake_mqar)
     monkeypatch.setitem(quality.PRESETS["cpu"], "mqar", {**PRESETS["cpu"]["mqar"], "pairs": (2, 4, 8)})
     out = tmp_path / "q.json"
-    quality.main(["--kinds", "softmax", "elu", "--only", "mqar", "--budget", "15", "--out", str(out)])
+    quality_cli.main(["--kinds", "softmax", "elu", "--only", "mqar", "--budget", "15", "--out", str(out)])
     # pairs outer, kinds inner; runs start at t = 0 and 10 (within 15 s), later ones are skipped
     assert calls == [("softmax", 2), ("elu", 2)]
     record = json.loads(out.read_text())
@@ -492,7 +493,7 @@ def test_main_trains_tiny_preset(tmp_path, monkeypatch, capsys, corpus):
     tiny = _tiny()
     monkeypatch.setitem(quality.PRESETS, "cpu", tiny)
     out = tmp_path / "q.json"
-    assert quality.main(["--kinds", "softmax", "lightning", "--out", str(out)]) == 0
+    assert quality_cli.main(["--kinds", "softmax", "lightning", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["skipped"] == []
     assert record["config"] == json.loads(json.dumps(tiny))
@@ -526,7 +527,7 @@ def test_main_only_writes_the_layout_of_the_recorded_files(tmp_path, monkeypatch
     tiny = _tiny()
     monkeypatch.setitem(quality.PRESETS, "cpu", tiny)
     out = tmp_path / "q.json"
-    assert quality.main(["--kinds", "softmax", "--only", only, "--out", str(out)]) == 0
+    assert quality_cli.main(["--kinds", "softmax", "--only", only, "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     for key in ("machine", "command", "date", "results"):  # what load_recorded demands
         assert key in record
@@ -546,16 +547,16 @@ def test_main_only_writes_the_layout_of_the_recorded_files(tmp_path, monkeypatch
 
 def test_main_argument_errors(tmp_path):
     with pytest.raises(SystemExit):
-        quality.main(["--preset", "tpu", "--out", str(tmp_path / "q.json")])
+        quality_cli.main(["--preset", "tpu", "--out", str(tmp_path / "q.json")])
     with pytest.raises(SystemExit):
-        quality.main(["--only", "both", "--out", str(tmp_path / "q.json")])
+        quality_cli.main(["--only", "both", "--out", str(tmp_path / "q.json")])
     with pytest.raises(SystemExit):
-        quality.main(["--preset", "cpu"])  # --out is required
+        quality_cli.main(["--preset", "cpu"])  # --out is required
     with pytest.raises(SystemExit):
-        quality.main(["--kinds", "bogus", "--budget", "0", "--out", str(tmp_path / "q.json")])  # refused up front
+        quality_cli.main(["--kinds", "bogus", "--budget", "0", "--out", str(tmp_path / "q.json")])  # refused up front
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="CUDA"):
-            quality.main(["--preset", "gpu", "--out", str(tmp_path / "q.json")])
+            quality_cli.main(["--preset", "gpu", "--out", str(tmp_path / "q.json")])
     assert not (tmp_path / "q.json").exists()
 
 

@@ -11,7 +11,7 @@ from lightning_edu.models import (
     tnl, train,
 )
 from lightning_edu.models.mqar import IGNORE_INDEX
-from lightning_edu.perf.bench import head_decays
+from lightning_edu.models.decay import head_decays
 
 from kernel_cases import on
 

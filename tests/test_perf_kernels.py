@@ -1,4 +1,4 @@
-"""lightning_edu.perf.kernels: reading Nsight Compute's CSV, matching its rows to the launches a program noted,
+"""benchmarks.kernels: reading Nsight Compute's CSV, matching its rows to the launches a program noted,
 the table the chapters show, and the recorded H100 run. (The measurement itself needs a GPU and ncu.)"""
 
 import json
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_edu.perf import kernels
+from benchmarks import kernels
+from lightning_edu.book import profiles
 
 RECORD = Path(__file__).resolve().parent.parent / "notebooks" / "data" / "kernels_h100.json"
 
@@ -82,18 +83,18 @@ def _record():
 
 
 def test_kernel_table_filters_passes_exact_passes_and_lengths():
-    table = kernels.kernel_table(_record()).splitlines()
+    table = profiles.kernel_table(_record()).splitlines()
     assert len(table) == 3  # header, rule, the one forward launch that is not an exact pass
     assert table[2] == ("| 64 | 8K | forward | `la2_fast_forward` | 64 x 1 x 2 | 100.0 | 3.00 / 1.00 | 2.50 | 75 | 30 "
                         "| 20 | 7.7 (8) | 171 (0) |")
-    assert len(kernels.kernel_table(_record(), exact=True).splitlines()) == 4
-    assert "(exact pass)" in kernels.kernel_table(_record(), exact=True)
-    backward = kernels.kernel_table(_record(), passes=("training backward",))
+    assert len(profiles.kernel_table(_record(), exact=True).splitlines()) == 4
+    assert "(exact pass)" in profiles.kernel_table(_record(), exact=True)
+    backward = profiles.kernel_table(_record(), passes=("training backward",))
     assert "`la3_dkdv`" in backward and "forward" not in backward.splitlines()[2]
     anchor = _record()
     anchor["results"][1]["launches"][0] = {k: v for k, v in anchor["results"][1]["launches"][0].items() if k != "spilled_words"}
-    assert kernels.kernel_table(anchor, passes=("training backward",)).endswith("| 7.7 (8) | 171 |")  # no spills known
-    assert len(kernels.kernel_table(_record(), passes=("training backward",), lengths=(8192,)).splitlines()) == 2
+    assert profiles.kernel_table(anchor, passes=("training backward",)).endswith("| 7.7 (8) | 171 |")  # no spills known
+    assert len(profiles.kernel_table(_record(), passes=("training backward",), lengths=(8192,)).splitlines()) == 2
 
 
 def test_the_ncu_command_reads_every_metric_with_the_clocks_left_alone():
@@ -113,10 +114,10 @@ def test_the_h100_record_was_made_by_the_code_as_it_stands():
     assert record["ncu_command"] == " ".join(kernels.ncu_command())
     for shape in record["results"]:
         passes = [x["pass"] for x in shape["launches"]]
-        assert passes == sorted(passes, key=["forward", "training forward", "training backward", kernels.ANCHOR].index)
+        assert passes == sorted(passes, key=["forward", "training forward", "training backward", profiles.ANCHOR].index)
         for x in shape["launches"]:
             assert set(kernels.METRICS) <= set(x)
-            if x["pass"] != kernels.ANCHOR:  # ours: the backend's kernels, with what the compiler reported
+            if x["pass"] != profiles.ANCHOR:  # ours: the backend's kernels, with what the compiler reported
                 assert x["kernel"] in kernels.KERNELS
                 assert {"spilled_words", "shared_bytes", "warps", "stages"} <= set(x)
 
@@ -130,9 +131,9 @@ def test_without_a_gpu_or_ncu_it_says_so_and_writes_nothing(tmp_path, monkeypatc
 
 
 def test_short_names_drop_what_a_table_does_not_need():
-    assert kernels.short_name("_la2_fast_forward_kernel") == "la2_fast_forward"
-    assert kernels.short_name("chunk_fwd_kernel_h") == "chunk_fwd_kernel_h"
-    assert kernels.short_name("void at::vectorized_elementwise_kernel<4, at::AUnaryFunctor<float>>(int, T2, T3)") \
+    assert profiles.short_name("_la2_fast_forward_kernel") == "la2_fast_forward"
+    assert profiles.short_name("chunk_fwd_kernel_h") == "chunk_fwd_kernel_h"
+    assert profiles.short_name("void at::vectorized_elementwise_kernel<4, at::AUnaryFunctor<float>>(int, T2, T3)") \
         == "at::vectorized_elementwise"
 
 
@@ -148,8 +149,8 @@ def test_the_library_run_labels_every_row_ncu_gave_and_a_failed_run_says_what_it
 
     monkeypatch.setattr(kernels.subprocess, "run", fake_run)
     launches = kernels.measure_anchor(64, 32768)
-    assert [(x["pass"], x["kernel"]) for x in launches] == [(kernels.ANCHOR, "_segment_state_kernel"),
-                                                             (kernels.ANCHOR, "_la2_fast_forward_kernel")]
+    assert [(x["pass"], x["kernel"]) for x in launches] == [(profiles.ANCHOR, "_segment_state_kernel"),
+                                                             (profiles.ANCHOR, "_la2_fast_forward_kernel")]
     assert launches[0]["read_tensors"] == round(125844736 / 67108864, 3)
     run_as[0] = "failed"
     with pytest.raises(RuntimeError, match="ncu run failed \\(exit 1\\):\nTraceback: no module named fla"):

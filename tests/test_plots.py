@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from lightning_edu.book.plots import BENCH_STYLES, bench_style, legend_outside, new_figure  # noqa: E402
-from lightning_edu.perf.bench import METHODS  # noqa: E402
+from benchmarks.bench import METHODS  # noqa: E402
 
 
 def test_every_benchmarked_method_has_its_own_colour_and_marker():
@@ -44,27 +44,10 @@ def test_the_legend_sits_outside_every_panel():
     assert [t.get_text() for t in legend.get_texts()] == [BENCH_STYLES["triton"][0], BENCH_STYLES["fla_chunk"][0]]
 
 
-def test_every_recorded_command_names_a_module_that_can_be_run_today():
-    """A record's command is how a reader reproduces it: every ``-m lightning_edu...`` module it names exists, or
-    describe_recorded names where it lives today (book.MOVED), and that does exist."""
-    import importlib.util
-    import re
-
-    from lightning_edu.book import MOVED, describe_recorded, load_recorded, repo_root
-
-    for path in sorted((repo_root() / "notebooks" / "data").glob("*.json")):
-        data = load_recorded(path.stem)
-        line = describe_recorded(data)
-        for module in re.findall(r"-m (lightning_edu[\w.]*)", data["command"]):
-            if importlib.util.find_spec(module) is None:
-                assert module in MOVED and f"{module} is {MOVED[module]} today" in line, (path.name, module)
-                assert importlib.util.find_spec(MOVED[module]) is not None, MOVED[module]
-
-
 def test_a_record_line_names_its_commit_and_says_when_none_was_recorded():
     from lightning_edu.book import describe_recorded
 
-    base = {"machine": "NVIDIA H100 80GB HBM3", "date": "2026-11-25", "command": "python -m lightning_edu.perf.bench"}
+    base = {"machine": "NVIDIA H100 80GB HBM3", "date": "2026-11-25", "command": "python -m benchmarks.bench"}
     assert "commit 0123456789ab)" in describe_recorded({**base, "commit": "0123456789abcdef"})
     assert "commit 8dac551 + local changes)" in describe_recorded({**base, "commit": "8dac551+local changes"})
     assert "commit not recorded)" in describe_recorded(base)

@@ -1,4 +1,4 @@
-"""lightning_edu.perf.tgs: the paper's Table 1 as transcribed, the models it times, the line fit, and the recorded runs."""
+"""lightning_edu.models.tgs: the paper's Table 1 as transcribed, the models it times, the line fit, and the recorded runs."""
 
 import importlib.util
 import json
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from lightning_edu.models import SIZES, Decoder, decay_schedule
-from lightning_edu.perf import tgs
-from lightning_edu.perf.tgs import MODELS, PAPER_TABLE1, build
+from benchmarks import tgs
+from lightning_edu.models.tgs import fit_tgs
+from lightning_edu.models.tgs import MODELS, PAPER_TABLE1, build
 
 DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
 HAS_FLA = importlib.util.find_spec("fla") is not None
@@ -97,11 +98,11 @@ def test_table1_paper_claims():
 def test_fit_tgs_recovers_a_line():
     a, b = 2.5e-5, 3.0e-10
     T = np.array(PAPER_TABLE1["contexts"], dtype=float)
-    fa, fb = tgs.fit_tgs(T, 1 / (a + b * T))
+    fa, fb = fit_tgs(T, 1 / (a + b * T))
     assert fa == pytest.approx(a, rel=1e-9) and fb == pytest.approx(b, rel=1e-6)
     assert isinstance(fa, float) and isinstance(fb, float)
     # a flat TGS: b = 0
-    fa, fb = tgs.fit_tgs([1024, 4096, 65536], [40_000, 40_000, 40_000])
+    fa, fb = fit_tgs([1024, 4096, 65536], [40_000, 40_000, 40_000])
     assert fa == pytest.approx(1 / 40_000, rel=1e-12) and abs(fb) < 1e-12 * fa
 
 
@@ -109,15 +110,15 @@ def test_fit_tgs_skips_oom_points():
     a, b = 1e-4, 2e-9
     T = [1024, 2048, 4096, 8192]
     tgs_ = [1 / (a + b * t) for t in T[:3]] + [None]
-    fa, fb = tgs.fit_tgs(T, tgs_)
+    fa, fb = fit_tgs(T, tgs_)
     assert fa == pytest.approx(a, rel=1e-9) and fb == pytest.approx(b, rel=1e-6)
 
 
 def test_fit_tgs_on_the_paper():
     contexts = PAPER_TABLE1["contexts"]
     for size, models in PAPER_TABLE1["tgs"].items():
-        fa2 = tgs.fit_tgs(contexts, models["LLaMA-FA2"])
-        la2 = tgs.fit_tgs(contexts, models["TNL-LA2"])
+        fa2 = fit_tgs(contexts, models["LLaMA-FA2"])
+        la2 = fit_tgs(contexts, models["TNL-LA2"])
         assert fa2[0] > 0 and la2[0] > 0
         # at 64K tokens the context adds more than the fixed cost for FA2, under 1 % of it for LA2
         assert fa2[1] * 65536 > fa2[0], size
@@ -126,13 +127,13 @@ def test_fit_tgs_on_the_paper():
 
 def test_fit_tgs_errors():
     with pytest.raises(ValueError, match="at least two"):
-        tgs.fit_tgs([1024, 2048], [30_000, None])
+        fit_tgs([1024, 2048], [30_000, None])
     with pytest.raises(ValueError, match="at least two"):
-        tgs.fit_tgs([], [])
+        fit_tgs([], [])
     with pytest.raises(ValueError, match="> 0"):
-        tgs.fit_tgs([1024, 2048, 4096], [30_000, -5, 20_000])
+        fit_tgs([1024, 2048, 4096], [30_000, -5, 20_000])
     with pytest.raises(ValueError, match="same length"):
-        tgs.fit_tgs([1024, 2048, 4096], [30_000, 20_000])  # never silently truncated
+        fit_tgs([1024, 2048, 4096], [30_000, 20_000])  # never silently truncated
 
 
 # ---------------------------------------------------------------- build

@@ -165,7 +165,7 @@ def test_la1_sequence_length_is_not_compiled_in(device):
 
 
 def test_la1_cost_by_hand_and_its_checks():
-    from lightning_edu.perf.costs import la1_cost
+    from lightning_edu.costs import la1_cost
 
     # n = 4, B = 2, d = 1: t = 2 blocks, 3 block pairs, each 2 dots of 2 x 2 x 1 for QK^T and PV: 2*2*2*(1+1) = 16.
     c = la1_cost(4, 1, 1, 2)

@@ -19,7 +19,7 @@ from kernel_cases import to_numpy64 as _np
 import lightning_edu as le
 from lightning_edu.checks import random_qkv, relative_error
 from lightning_edu.numpy_blockwise import blockwise_backward
-from lightning_edu.perf.la3_sweep import TILES
+from benchmarks.la3_sweep import TILES
 from lightning_edu.triton_kernels import backward_kernel, log2_decay_tensor
 from lightning_edu.triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
 from lightning_edu.triton_kernels.la3 import la3_backward, la3_dkdv, la3_tiles
@@ -94,7 +94,7 @@ def test_backend_uses_la3_for_16_bit_inputs_with_equal_head_dims_up_to_d64_and_i
 @cases("d,dtype", {"cuda": [(d, dtype) for d in (64, 128) for dtype in (torch.bfloat16, torch.float32)]},
        same_worker=lambda case: "la3 fp32 d=128" if case == (128, torch.float32) else None)  # as test_triton_la2's
 def test_every_la3_kernel_fits_in_99_kib_of_shared_memory(device, d, dtype):
-    from lightning_edu.perf.resources import SM120_SHARED_LIMIT, compiled_resources
+    from lightning_edu.triton_kernels.resources import SM120_SHARED_LIMIT, compiled_resources
     from lightning_edu.triton_kernels import kernel_config
 
     q, k, v, do, s0, dsn = kernel_inputs((1, 2, 700, d, d), device, dtype, seed=1)

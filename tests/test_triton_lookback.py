@@ -106,7 +106,7 @@ def test_lookback_record_covers_every_shape_and_way():
     import json
     from pathlib import Path
 
-    from lightning_edu.perf import lookback as perf_lookback
+    from benchmarks import lookback as perf_lookback
 
     record = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "data" / "lookback_h100.json").read_text())
     assert [(r["d"], r["T"]) for r in record["results"]] == list(perf_lookback.SHAPES)
@@ -119,11 +119,11 @@ def test_lookback_record_covers_every_shape_and_way():
 
 
 def test_lookback_measurement_refuses_bad_command_lines(capsys):
-    from lightning_edu.perf import lookback as perf_lookback
+    from benchmarks import lookback as perf_lookback
 
     assert perf_lookback.main(["--help"]) == 0
     assert perf_lookback.main([]) == 2 and perf_lookback.main(["a.json", "b.json"]) == 2
-    assert "python -m lightning_edu.perf.lookback OUT.json [--ncu]" in capsys.readouterr().out
+    assert "python -m benchmarks.lookback OUT.json [--ncu]" in capsys.readouterr().out
 
 
 @on("cpu")

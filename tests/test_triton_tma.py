@@ -73,20 +73,20 @@ def test_tma_forward_refuses_rows_off_16_bytes(device):
 
 
 def test_tma_measurement_refuses_bad_command_lines(capsys):
-    from lightning_edu.perf import tma as perf_tma
+    from benchmarks import tma as perf_tma
 
     assert perf_tma.main(["--help"]) == 0
     assert perf_tma.main([]) == 2 and perf_tma.main(["a.json", "b.json"]) == 2
-    assert "python -m lightning_edu.perf.tma OUT.json" in capsys.readouterr().out
+    assert "python -m benchmarks.tma OUT.json" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", ["segments", "prepass", "redo", "slices"])
 def test_segment_measurements_refuse_bad_command_lines(capsys, name):
-    module = importlib.import_module(f"lightning_edu.perf.{name}")
+    module = importlib.import_module(f"benchmarks.{name}")
 
     assert module.main(["--help"]) == 0
     assert module.main([]) == 2 and module.main(["-o"]) == 2
-    assert f"python -m lightning_edu.perf.{name} OUT.json" in capsys.readouterr().out
+    assert f"python -m benchmarks.{name} OUT.json" in capsys.readouterr().out
     if not torch.cuda.is_available():  # a command line it would run, on a machine it cannot measure
         assert module.main(["out.json"]) == 1 and "none is available here" in capsys.readouterr().out
 

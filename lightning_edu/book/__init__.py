@@ -16,6 +16,7 @@ from .toc import Chapter, chapters, load_config, repo_root
 __all__ = [
     "Chapter", "repo_root", "load_config", "chapters", "chapter_table",
     "setup_notebook", "show_source", "load_recorded", "describe_recorded", "recorded_series", "tensor_maker",
+    "RECORDED_NAMES", "method_name", "with_current_names", "MOVED", "current_command",
 ]
 
 
@@ -84,17 +85,29 @@ def load_recorded(name: str, root: Path | None = None) -> dict:
     return data
 
 
-# Where a recorded command's module or folder lives today, for records made before it moved.
+# Where a recorded command's module or folder lives today, for records made before it moved. The measuring drivers
+# moved out of the package into the repository's benchmarks/ folder: run them from the repository root.
+_DRIVERS = ("bench", "decode", "drift", "figure3", "first_call", "host", "kernels", "la3_sweep", "lookback", "prepass",
+            "quality", "redo", "segments", "slices", "tgs", "tma", "torch_sweep", "two_ways")
 MOVED = {
-    "lightning_edu.bench": "lightning_edu.perf.bench",
-    "lightning_edu.torch_sweep": "lightning_edu.perf.torch_sweep",
+    "lightning_edu.bench": "benchmarks.bench",
+    "lightning_edu.torch_sweep": "benchmarks.torch_sweep",
+    **{f"lightning_edu.perf.{name}": f"benchmarks.{name}" for name in _DRIVERS},
     "tests/gpu": "tests (the GPU tests carry the marker gpu: python -m pytest -m gpu tests)",
 }
 
 
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package that no longer exists
+        return False
+
+
 def _moved(command: str) -> list[str]:
     """The notes "X is Y today" for the names of ``command`` that :data:`MOVED` lists and that no longer exist."""
-    import importlib.util
     import re
 
     notes = []
@@ -102,10 +115,21 @@ def _moved(command: str) -> list[str]:
         if "/" in old:
             gone = re.search(rf"(?<![\w/]){re.escape(old)}(?![\w])", command) and not (repo_root() / old).exists()
         else:
-            gone = re.search(rf"-m {re.escape(old)}(?![\w.])", command) and importlib.util.find_spec(old) is None
+            gone = re.search(rf"-m {re.escape(old)}(?![\w.])", command) and not _importable(old)
         if gone:
             notes.append(f"{old} is {new} today")
     return notes
+
+
+def current_command(command: str) -> str:
+    """``command`` with each module or folder :data:`MOVED` lists (and that no longer exists) replaced by where it
+    lives today: the command to run again, from the repository root."""
+    import re
+
+    for old, new in MOVED.items():
+        if "/" not in old and re.search(rf"-m {re.escape(old)}(?![\w.])", command) and not _importable(old):
+            command = re.sub(rf"-m {re.escape(old)}(?![\w.])", f"-m {new}", command)
+    return command
 
 
 def describe_recorded(data: dict) -> str:
@@ -146,3 +170,29 @@ def tensor_maker(device: str):
         return torch.tensor(x, dtype=dtype, device=device)
 
     return to_tensor
+
+
+# Names that recorded files (notebooks/data/bench_*.json) and their commands use for our kernels, and the
+# registry names they stand for today. The one place an old name is translated; no name is ever parsed.
+RECORDED_NAMES = {
+    "la1": "triton.la1",
+    "la2_literal": "triton.la2_literal",
+    "la2_fast_noseg": "triton.la2_fast.one_segment",
+    "la2_fast_nosave": "triton.la2_fast.no_state_reuse",
+    "la2_fast_fused_bwd": "triton.la2_fast.fused_dkdv",
+}
+
+
+def method_name(name: str) -> str:
+    """The current name of a method, given a current name or one from :data:`RECORDED_NAMES`."""
+    return RECORDED_NAMES.get(name, name)
+
+
+def with_current_names(data: dict) -> dict:
+    """A copy of a recorded benchmark (``python -m benchmarks.bench --out``) under current names."""
+    out = dict(data)
+    out["results"] = [{**r, "method": method_name(r["method"])} if "method" in r else r for r in data["results"]]
+    for key in ("correctness_rel_err", "unavailable"):
+        if key in data:
+            out[key] = {method_name(name): value for name, value in data[key].items()}
+    return out

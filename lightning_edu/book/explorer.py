@@ -6,7 +6,7 @@ rendered book; :class:`BlockExplorer` wires them to ipywidgets sliders):
 1. the intra-block decay mask M (log10 of its entries: lambda^(r-s) spans hundreds of decades);
 2. the diagonal factors: Lambda = lambda^(r+1) on q, lambda^(b-1-r) on k, and the paper's literal
    Lambda^-1 = lambda^-(r+1), against float64's range (where the literal formula overflows);
-3. FLOPs against B, split into intra, inter and state update (:mod:`lightning_edu.perf.costs`);
+3. FLOPs against B, split into intra, inter and state update (:mod:`lightning_edu.costs`);
 4. memory against B: on-chip bytes per block against the chip's capacity, and HBM bytes;
 5. the modelled time against B, with its optimum;
 6. the error of the numpy blockwise result against the recurrent scan, token by token.
@@ -26,10 +26,9 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..checks import random_qkv
-from ..perf.costs import POWERS_OF_TWO, Hardware, attention_cost, block_size_sweep, modelled_time
-from .plots import color
+from ..costs import POWERS_OF_TWO, Hardware, attention_cost, block_size_sweep, modelled_time
 from ..validation import validate_decay, validate_positive_int
-
+from .plots import color
 from .widgets import live_box
 
 __all__ = [

@@ -57,10 +57,10 @@ BENCH_STYLES = {  # method (as perf.bench names it) -> (label, colour, marker, l
 
 
 def bench_style(method: str) -> dict:
-    """``ax.plot`` keywords (label, color, marker, linestyle) of a benchmarked method, named as ``perf.bench``
+    """``ax.plot`` keywords (label, color, marker, linestyle) of a benchmarked method, named as ``benchmarks.bench``
     names it now or as an older recording did (``la2_literal`` for ``triton.la2_literal``); KeyError names the
     known ones."""
-    from ..perf.bench import RECORDED_NAMES
+    from . import RECORDED_NAMES
 
     try:
         label, colour, marker, ls = BENCH_STYLES[RECORDED_NAMES.get(method, method)]

@@ -33,9 +33,8 @@ _SAFE_MODULES = (
     "lightning_edu.checks",
     "lightning_edu.validation",
     "lightning_edu.book",
-    "lightning_edu.perf",
-    "lightning_edu.perf.measure",
-    "lightning_edu.perf.environment",
+    "lightning_edu.measure",
+    "lightning_edu.environment",
     "lightning_edu.exercises",
     "lightning_edu.exercises._core",
     "lightning_edu.exercises._errors",
@@ -54,8 +53,7 @@ _IMPLEMENTATION_MODULES = (
     "lightning_edu.errata",
     "lightning_edu.feature_maps",
     "lightning_edu.feature_core",
-    "lightning_edu.perf.costs",
-    "lightning_edu.perf.decode",
+    "lightning_edu.costs",
     "lightning_edu.distributed",
 )
 

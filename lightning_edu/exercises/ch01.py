@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from ..checks import random_qkv, relative_error, to_numpy
-from ..perf.measure import peak_memory_numpy
+from ..measure import peak_memory_numpy
 from ..numpy_reference import elu_plus_one, linear_attention_right
 from ._core import ExerciseError, exercise, expect_close, expect_shape, passed, seeded
 

@@ -10,7 +10,7 @@ random fp32 inputs of odd lengths and compares with the float64 numpy rung:
 * :func:`check_value_slice` -- plain Python, no kernel: how many columns of d_v one program of the backend's
   forward takes for a number of (batch, head) pairs on a GPU, against the backend's own ``kernel_config``;
 * :func:`check_one_pass_balance` -- plain Python: the bytes a one-pass forward saves per segment, against
-  ``perf.costs.one_pass_balance``;
+  ``costs.one_pass_balance``;
 * :func:`check_local_state_from_the_end` -- numpy: a segment's local state summed from its last block back to its
   first, as the pre-pass can (``la2_fast.PREPASS_TAIL_FIRST``), against the float64 sum, the blocks' load order
   recorded.
@@ -25,8 +25,19 @@ import numpy as np
 from ..checks import random_qkv
 from ..numpy_blockwise import blockwise_forward
 from ..numpy_reference import causal_linear_recurrent, decay_mask
-from ._core import (ExerciseError, call_reader, exception_chain, exercise, expect_array, expect_close, expect_count,
-                    expect_shape, passed, seeded, wrong_rows)
+from ._core import (
+    ExerciseError,
+    call_reader,
+    exception_chain,
+    exercise,
+    expect_array,
+    expect_close,
+    expect_count,
+    expect_shape,
+    passed,
+    seeded,
+    wrong_rows,
+)
 
 __all__ = ["check_decay_tile", "check_inter_block_kernel", "check_value_slice", "check_one_pass_balance",
            "check_local_state_from_the_end", "tolerance"]
@@ -231,9 +242,9 @@ def check_value_slice(value_slice, seed: int = 0) -> None:
 @exercise("7.5", reveals=("one_pass_balance",))
 def check_one_pass_balance(one_pass_balance, seed: int = 0) -> None:
     """``one_pass_balance(d, seg_len, handoffs)`` must give the bytes of DRAM traffic a one-pass forward saves per
-    segment and (batch, head), bf16 K and V, float32 states, as :func:`lightning_edu.perf.costs.one_pass_balance`
+    segment and (batch, head), bf16 K and V, float32 states, as :func:`lightning_edu.costs.one_pass_balance`
     counts them; a wrong answer that matches a usual slip is named."""
-    from ..perf.costs import one_pass_balance as model
+    from ..costs import one_pass_balance as model
 
     cases = [(128, 256, 1), (128, 512, 1), (128, 256, 2), (128, 1024, 2), (64, 128, 1), (64, 1024, 1), (64, 512, 2)]
     if seed:

@@ -126,7 +126,7 @@ def _check_tiled(fn, name: str, make_args, seed: int) -> None:
     """Right values are not the whole exercise: the phase must work on micro-chunk tiles, never on the C x C
     matrix. On a 2048-row chunk with 64-row micro-chunks, tiles need about 0.1 MiB; the check allows a quarter of
     the 32 MiB a C x C float64 matrix takes, measured with tracemalloc (numpy reports its buffers there)."""
-    from ..perf.measure import peak_memory_numpy
+    from ..measure import peak_memory_numpy
 
     rows, d_k, d_v, lam, micro = _LONG
     q, k, v, do = _inputs(len(_CASES), rows, d_k, d_v, seed)

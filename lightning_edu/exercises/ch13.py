@@ -71,7 +71,7 @@ def _close(got, ref, rtol=1e-6):
     return abs(a - ra) <= rtol * abs(ra) + 1e-15 and abs(b - rb) <= rtol * max(abs(rb), 1e-12) + 1e-18
 
 
-@exercise("13.1", reveals=("lightning_edu.perf.tgs.fit_tgs",))
+@exercise("13.1", reveals=("lightning_edu.models.tgs.fit_tgs",))
 def check_fit_tgs(fit_tgs, seed: int = 0) -> None:
     """``fit_tgs(contexts, tgs) -> (a, b)`` with 1 / TGS = a + b T fitted by least squares, seconds per token."""
     lines = list(_LINES)

@@ -515,7 +515,7 @@ def time_forward_kernel(forward, *, shapes=TIMING_SHAPES, heads: int = TIMING_HE
     """Time ``forward`` beside the book's kernel on a GPU; one row per (T, D) of ``shapes``.
 
     Each shape: bfloat16 q, k, v of (tokens // T, heads, T, D), the lambdas of the benchmark
-    (:func:`lightning_edu.perf.bench.head_decays`), the book's forward (``la2_fast_forward`` with the backend's
+    (:func:`lightning_edu.models.decay.head_decays`), the book's forward (``la2_fast_forward`` with the backend's
     tiles, :func:`lightning_edu.triton_kernels.tiles_for`) timed first, then the student's, each by
     ``triton.testing.do_bench`` (median of the repetitions, ``warmup`` and ``rep`` in ms). do_bench clears the
     L2 cache before every repetition (it writes a 256 MB buffer), so each call reads its inputs from HBM, as
@@ -525,7 +525,7 @@ def time_forward_kernel(forward, *, shapes=TIMING_SHAPES, heads: int = TIMING_HE
 
     Row keys: T, D, batch, heads, dtype, ms, book_ms, speedup (book_ms / ms: above 1 is faster than the book),
     floor_frac and book_floor_frac (the HBM floor's time over the measured time: q, k, v read and o written
-    once, :func:`~lightning_edu.perf.bench.hbm_floor_bytes`, at the device-to-device copy ``bandwidth`` in
+    once, :func:`~lightning_edu.costs.hbm_floor_bytes`, at the device-to-device copy ``bandwidth`` in
     bytes/s, measured here when None), max_rel_diff_vs_book, agrees_with_book; or ``error`` for a shape where
     the student's forward failed. Raises RuntimeError without CUDA or under Triton's interpreter.
     """
@@ -535,7 +535,7 @@ def time_forward_kernel(forward, *, shapes=TIMING_SHAPES, heads: int = TIMING_HE
     _require_gpu("time_forward_kernel")
     import torch
 
-    from ..perf.bench import copy_bandwidth
+    from ..measure import copy_bandwidth
 
     bw = copy_bandwidth() if bandwidth is None else float(bandwidth)
     rows = []
@@ -550,14 +550,15 @@ def _time_shape(forward, T: int, D: int, heads: int, tokens: int, warmup: int, r
     import torch
     from triton.testing import do_bench
 
-    from ..perf.bench import _inputs as bench_inputs
-    from ..perf.bench import hbm_floor_bytes, head_decays
+    from ..costs import hbm_floor_bytes
+    from ..measure import benchmark_inputs
+    from ..models.decay import head_decays
     from ..triton_kernels import log2_decay_tensor, tiles_for
     from ..triton_kernels.la2_fast import la2_fast_forward
 
     batch = max(1, tokens // T)
     row = {"T": T, "D": D, "batch": batch, "heads": heads, "dtype": "bfloat16"}
-    q, k, v, _ = bench_inputs(batch, heads, T, D, torch.bfloat16)
+    q, k, v, _ = benchmark_inputs(batch, heads, T, D, torch.bfloat16)
     book_decay = log2_decay_tensor(head_decays(heads), "cuda")
     student_decay = book_decay.clone()  # the book's tensor is cached and shared: the student gets a copy
     cfg = tiles_for(q, v)  # the backend's tiles for this call
@@ -743,7 +744,7 @@ def grade(submissions: dict, *, seed: int | None = None, measure_speed: bool | N
     ``entries``, one per student in rank order: student, source, rank, correct, message, speedup,
     best_floor_frac, points, timings. Speed fields are None when speed was not measured.
     """
-    from ..perf.environment import environment_record
+    from ..environment import environment_record
 
     if not isinstance(submissions, dict) or not submissions:
         raise TypeError("submissions must be a non-empty dict {student name: path or forward function}")
@@ -774,7 +775,7 @@ def grade(submissions: dict, *, seed: int | None = None, measure_speed: bool | N
         _require_gpu("grade(measure_speed=True)")
     bandwidth = None
     if measure_speed:
-        from ..perf.bench import copy_bandwidth
+        from ..measure import copy_bandwidth
 
         bandwidth = copy_bandwidth()
 

@@ -12,13 +12,11 @@ layers - 1 counted from zero.
 
 from __future__ import annotations
 
-
 import numpy as np
 
-from ..perf.bench import head_decays
 from ..validation import validate_int
 
-__all__ = ["SCHEDULES", "decay_schedule", "alibi", "fla_lightning", "minimax01"]
+__all__ = ["SCHEDULES", "decay_schedule", "alibi", "fla_lightning", "minimax01", "head_decays"]
 
 
 def _check_layer(layer, layers) -> tuple[int, int]:
@@ -34,7 +32,7 @@ def alibi(heads: int, layer: int = 0, layers: int = 1) -> np.ndarray:
 
     The slopes 2^(-8 (h + 1) / H) are ALiBi's ("Train Short, Test Long: Attention with Linear Biases Enables
     Input Length Extrapolation") for H a power of two; this is the schedule of the original Lightning
-    Attention-2 tests and of this book's GPU benchmark (:func:`lightning_edu.perf.bench.head_decays`, which
+    Attention-2 tests and of this book's GPU benchmark (:func:`lightning_edu.models.decay.head_decays`, which
     this function calls). Every lambda_h is strictly below 1 and they grow with h: head 0 forgets fastest
     (lambda_0 = exp(-2^(-8/H))), the last head slowest (lambda_{H-1} = exp(-1/256)).
     ``layer`` and ``layers`` are checked and otherwise unused.
@@ -95,3 +93,9 @@ def decay_schedule(name: str, heads: int, layer: int = 0, layers: int = 1) -> np
     if name not in SCHEDULES:
         raise ValueError(f"unknown decay schedule {name!r}; choose one of {sorted(SCHEDULES)}")
     return SCHEDULES[name](heads, layer, layers)
+
+
+def head_decays(heads: int) -> np.ndarray:
+    """Per-head lambda_h = exp(-2^(-8 (h+1) / heads)): the ALiBi-style slopes of the original LA-2 tests."""
+    slopes = 2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)
+    return np.exp(-slopes)

@@ -35,7 +35,7 @@ position of the value that follows it (a "previous-token" head: softmax can find
 RoPE, lightning through the decay of its heads), and the next layer lets the query attend to the position
 whose copied key matches and read the value there (an induction head). Zoology's models get the first step
 for free from a short convolution in every layer; ours must learn it, which makes the training recipe matter
-(:func:`lightning_edu.perf.quality.mqar_run` and the notes under :data:`lightning_edu.perf.quality.PRESETS`).
+(:func:`lightning_edu.models.quality.mqar_run` and the notes under :data:`lightning_edu.models.quality.PRESETS`).
 """
 
 from __future__ import annotations

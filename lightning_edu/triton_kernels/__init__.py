@@ -1,7 +1,7 @@
 """Rung 3: Triton kernels, and the "triton" backend of :func:`lightning_edu.lightning_attention`.
 
-Variants (each correct, each measured in chapters 07-10, by ``python -m lightning_edu.perf.bench`` or, for la2_tma
-and the one pass, ``python -m lightning_edu.perf.tma`` and ``perf.lookback``):
+Variants (each correct, each measured in chapters 07-10, by ``python -m benchmarks.bench`` or, for la2_tma
+and the one pass, ``python -m benchmarks.tma`` and ``benchmarks.lookback``):
 
 ============  ======================================================================  ==========
 variant       what                                                                    module

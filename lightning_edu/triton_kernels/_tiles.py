@@ -113,7 +113,7 @@ def redo_in_place(dtype, state_rows: int, state_cols: int) -> bool:
     In place, a forward + backward at d = 64 launches 5 kernels instead of 8 and compiles 5 instead of 8: the
     kernels' own time barely moves, and a short call, bound by the host, gets shorter. At d = 128 a call is long,
     the launches saved are worth little, and in place a 128 x 128 state (d_v whole) ran slower. float32 tiles, the
-    spilling kind, keep two launches. Chapter 07 shows the measurements (``python -m lightning_edu.perf.redo``,
+    spilling kind, keep two launches. Chapter 07 shows the measurements (``python -m benchmarks.redo``,
     notebooks/data/redo_h100.json)."""
     import torch
 
@@ -179,7 +179,7 @@ def _fast_launch(kernel, grid, *args, **meta):
     Why. A short call of the backend is bound by the host, a forward + backward launches 6 to 10 kernels, and
     each ``kernel[grid]`` launch does several times the work of the compiled kernel's own launcher (binding and
     specialising 13 to 26 arguments, the cache key, the stream, launch metadata). Chapter 08 shows the host's
-    time per call (``python -m lightning_edu.perf.host``, notebooks/data/host_h100.json).
+    time per call (``python -m benchmarks.host``, notebooks/data/host_h100.json).
 
     How. The key (:func:`launch_key`) holds everything Triton specialises a launch on, or finer: every constexpr
     by value, whether passed by keyword or by position (a row stride is one), and what Triton reads of every

@@ -484,7 +484,7 @@ def sliced_forward(batch_heads: int, n: int, d_v: int, block: int, sm_count: int
     Segments and slices both add programs. A segment re-reads K and V from HBM in the pre-pass; a slice re-reads
     Q and K, but at the same time as the other slices of its (batch, head) (one wave), and L2 serves the reads:
     the sliced forward reads about the three tensors' worth of bytes of q, k and v from DRAM (chapter 07's
-    profile, ``python -m lightning_edu.perf.kernels``).
+    profile, ``python -m benchmarks.kernels``).
     Where the usual 64-column slices leave SMs idle (``batch_heads * cdiv(d_v, 64) < sm_count``) and 32-column
     slices fill them, one segment of 32-column slices skips the pre-pass. Enough means: with at most two slices
     (d_v <= 64) one program per SM, less a tenth; with more (d_v <= 128) two per SM, less an eighth, since each
@@ -509,7 +509,7 @@ d = 128 three stages of 64-row tiles of q, k and v (48 KB a stage) and the state
 more than half of an SM's 228 KB of shared memory, so one program holds the SM: 16 segments of a 16-head
 sequence (256 programs) are two waves on 132 SMs, 8 segments one wave, whose pre-pass re-reads 7/8 of K and V
 instead of 15/16, and 9 segments a second wave of 12 programs, the slowest of the three. Chapter 07 shows the
-measurements (``python -m lightning_edu.perf.segments``, notebooks/data/segments_h100.json)."""
+measurements (``python -m benchmarks.segments``, notebooks/data/segments_h100.json)."""
 
 
 def whole_dv_forward(q, v) -> bool:
@@ -519,7 +519,7 @@ def whole_dv_forward(q, v) -> bool:
 
     With pointer loads d_v whole was the slower tiles wherever the slices fit in one wave (its 128 x 128 float32
     state spilled registers); through descriptors it became the fastest segmented tiles on the longest sequences
-    and costs nothing on shorter ones (chapter 07; ``python -m lightning_edu.perf.tma``,
+    and costs nothing on shorter ones (chapter 07; ``python -m benchmarks.tma``,
     notebooks/data/tma_h100.json). A backward keeps the slices: its
     reversed passes load through pointers, where d_v whole is slower (:func:`~lightning_edu.triton_kernels.kernel_config`),
     and the forward that saves states for it shares its tiles."""
@@ -543,7 +543,7 @@ PREPASS_TAIL_FIRST = False
 bfloat16 and float32 keys only). The main pass reads each segment from its start, so summed from its end the rows
 the pre-pass read last are the rows the main pass reads first, and some of them are still in L2. Off: it paid too
 little, and not everywhere: the forward alone gained a little or tied, and a long forward + backward at d = 128
-ran slower. Chapter 07 shows the measurements (``python -m lightning_edu.perf.prepass``,
+ran slower. Chapter 07 shows the measurements (``python -m benchmarks.prepass``,
 notebooks/data/prepass_h100.json)."""
 
 

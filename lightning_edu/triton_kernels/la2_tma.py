@@ -15,8 +15,8 @@ and the exact pass. In time order only: the backward's reversed passes keep la2_
 The backend runs it (:func:`backend_takes`: 16-bit tiles, 64 < d <= 128, calls of 2^18 rows or more, compute
 capability 9.0 or later) as the fast pass of its passes in time order, the forward and the backward's dQ pass; its
 launch plans (:class:`~._tiles.LaunchPlan`) rebuild each descriptor on the replayed call's tensors. Chapter 07
-measures the kernel against la2_fast's (``python -m lightning_edu.perf.tma``) and the backend with and without it
-(``python -m lightning_edu.perf.bench``, method ``triton_pointers``; notebooks/data/bench_h100_d128.json): with
+measures the kernel against la2_fast's (``python -m benchmarks.tma``) and the backend with and without it
+(``python -m benchmarks.bench``, method ``triton_pointers``; notebooks/data/bench_h100_d128.json): with
 descriptors the forward was faster at every length measured (from 32K on with
 :func:`~.la2_fast.whole_dv_forward`'s tiles and segments), the forward + backward faster at 2K and level beyond.
 

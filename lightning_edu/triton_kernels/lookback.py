@@ -23,7 +23,7 @@ tries the other way, one kernel, in which the segments hand their states to each
    enough, they are still in L2 from step 2: K and V come from DRAM once.
 
 It does not pay: it was slower than the two passes at every shape measured (chapter 07,
-``python -m lightning_edu.perf.lookback``, notebooks/data/lookback_h100.json). The price is in states: each
+``python -m benchmarks.lookback``, notebooks/data/lookback_h100.json). The price is in states: each
 segment writes one or two d_k x d_v float32 states (64 KB at d = 128) and reads one or more, which costs as
 many bytes as L2 saves for segments up to 2d rows (4d with the look-back), while the segment must be short for
 its K and V to stay in L2 between the two reads.

@@ -1,6 +1,6 @@
 """la2_fast's forward with descriptor (TMA) loads beside its pointer kernel, on a GPU. (Chapter 07.)
 
-    python -m lightning_edu.perf.tma OUT.json
+    python -m benchmarks.tma OUT.json
 
 bf16, 16 heads, 32K tokens per call (B = 32768 / T; 1 x 128K at T = 128K), the benchmark's per-head decays, head
 dim 64 and 128, T = 2K, 8K, 32K, 128K. At each shape and each tile configuration of :data:`TILES` (``backend``:
@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import sys
 
-from .bench import hbm_floor_bytes, head_decays
-from .environment import gpu_record, save_record
+from lightning_edu.costs import hbm_floor_bytes
+from lightning_edu.environment import save_record
+from lightning_edu.models.decay import head_decays
+
+from .common import gpu_record
 
 __all__ = ["TILES", "SHAPES", "main"]
 
@@ -36,8 +39,8 @@ def main(argv=None) -> int:
     import torch
     from triton.testing import do_bench_cudagraph
 
-    from ..triton_kernels.la2_fast import backend_tiles, la2_fast_forward
-    from ..triton_kernels.la2_tma import la2_tma_forward
+    from lightning_edu.triton_kernels.la2_fast import backend_tiles, la2_fast_forward
+    from lightning_edu.triton_kernels.la2_tma import la2_tma_forward
 
     argv = sys.argv[1:] if argv is None else argv
     record = gpu_record(argv, __doc__, "tma", heads=HEADS, dtype="bfloat16",

@@ -1,7 +1,7 @@
 """The triton backend's kernels one by one under Nsight Compute: time, DRAM bytes, bandwidth, L2 hits,
 occupancy. (Chapters 07 and 08.)
 
-    python -m lightning_edu.perf.kernels OUT.json [--D 128 64] [--T 8192 32768 131072] [--anchors]
+    python -m benchmarks.kernels OUT.json [--D 128 64] [--T 8192 32768 131072] [--anchors]
 
 For each (D, T) at the benchmark's shapes (bf16, 16 heads, B = max(1, 32768 / T), so 32K tokens per call;
 per-head decay as a CUDA tensor), a child process warms up, then runs one forward without grad (what inference
@@ -36,8 +36,9 @@ import shutil
 import subprocess
 import sys
 
-__all__ = ["METRICS", "KERNELS", "ANCHOR", "parse_ncu_csv", "label_launches", "short_name", "kernel_table", "measure",
-           "measure_anchor", "main"]
+from lightning_edu.book.profiles import ANCHOR, kernel_table, short_name  # noqa: F401 (what a record's reader uses)
+
+__all__ = ["METRICS", "KERNELS", "parse_ncu_csv", "label_launches", "measure", "measure_anchor", "main"]
 
 METRICS = {  # the record's name -> the Nsight Compute metric (Hopper)
     "time_ns": "gpu__time_duration.sum",
@@ -60,7 +61,7 @@ KERNELS = ("_la2_fast_forward_kernel", "_tma_forward_kernel", "_la2_fast_dkdv_ke
 _CHILD = r"""
 import json, sys, torch
 from lightning_edu import lightning_attention
-from lightning_edu.perf.bench import head_decays
+from lightning_edu.models.decay import head_decays
 from lightning_edu.triton_kernels import _tiles, ops
 D, T = int(sys.argv[1]), int(sys.argv[2])
 B, H = max(1, 32768 // T), 16
@@ -155,41 +156,6 @@ def label_launches(rows: list[dict], launches: list[dict], tensor_bytes: int) ->
     return out
 
 
-def short_name(kernel: str) -> str:
-    """A kernel's name for a table: ours without the leading underscore and the ``_kernel`` suffix; a C++ kernel's
-    (torch's) without its return type, template arguments and parameters."""
-    name = kernel.removeprefix("void ")
-    for cut in ("<", "("):
-        name = name.split(cut)[0]
-    return name.strip("_").removesuffix("_kernel")
-
-
-def kernel_table(record: dict, passes: tuple[str, ...] = ("forward",), exact: bool = False,
-                 lengths: tuple[int, ...] | None = None) -> str:
-    """A Markdown table of a record's launches in ``passes``, in launch order per shape (exact passes only with
-    ``exact``; sequence lengths in ``lengths``, all when None): shape, pass, kernel, grid, time, DRAM bytes read
-    and written in tensors, TB/s and percent of the DRAM peak, L2 hit rate, tensor pipe, warps in flight per SM
-    against the launch's limit, registers per thread (and the 32-bit words spilled to local memory)."""
-    lines = ["| D | T | pass | kernel | grid | µs | DRAM read / written (tensors) | TB/s | % of DRAM peak | "
-             "L2 hits % | tensor pipe % | warps per SM (limit) | registers (spilled) |",
-             "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for shape in record["results"]:
-        if lengths is not None and shape["T"] not in lengths:
-            continue
-        for x in shape["launches"]:
-            if x["pass"] not in passes or (x["exact"] and not exact):
-                continue
-            name = short_name(x["kernel"]) + (" (exact pass)" if x["exact"] else "")
-            warps, limit = x["warps_active_pct"] * 64 / 100, x["warps_limit_pct"] * 64 / 100
-            spilled = f" ({x['spilled_words']})" if "spilled_words" in x else ""  # known for our kernels only
-            lines.append(f"| {shape['D']} | {shape['T'] // 1024}K | {x['pass']} | `{name}` | "
-                         f"{' x '.join(map(str, x['grid']))} | {x['time_us']:.1f} | "
-                         f"{x['read_tensors']:.2f} / {x['written_tensors']:.2f} | {x['dram_TBps']:.2f} | "
-                         f"{x['dram_pct_of_peak']:.0f} | {x['l2_hit_pct']:.0f} | {x['tensor_pipe_pct']:.0f} | "
-                         f"{warps:.1f} ({limit:.0f}) | {x['registers']:.0f}{spilled} |")
-    return "\n".join(lines)
-
-
 def ncu_command(kernels: tuple[str, ...] | None = KERNELS) -> list[str]:
     """The ncu command line, without the program it profiles: only ``kernels`` profiled (by name), or every
     kernel when None."""
@@ -198,13 +164,12 @@ def ncu_command(kernels: tuple[str, ...] | None = KERNELS) -> list[str]:
             "--metrics", ",".join(METRICS.values())]
 
 
-ANCHOR = "fla chunk_simple_gla forward"
 """The pass name of the library's forward that ``--anchors`` profiles beside ours."""
 
 _ANCHOR_CHILD = r"""
 import sys, numpy as np, torch
 from fla.ops.simple_gla import chunk_simple_gla
-from lightning_edu.perf.bench import head_decays
+from lightning_edu.models.decay import head_decays
 D, T = int(sys.argv[1]), int(sys.argv[2])
 B, H = max(1, 32768 // T), 16
 gen = torch.Generator(device="cuda").manual_seed(0)
@@ -254,9 +219,9 @@ def measure(D: int, T: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from .environment import environment_record, save_record
+    from lightning_edu.environment import environment_record, save_record
 
-    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.kernels", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--D", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -270,7 +235,7 @@ def main(argv=None) -> int:
         return 2
     version = subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
     argv = sys.argv[1:] if argv is None else argv
-    record = {**environment_record("python -m lightning_edu.perf.kernels " + " ".join(argv)), "ncu": version,
+    record = {**environment_record("python -m benchmarks.kernels " + " ".join(argv)), "ncu": version,
               "ncu_command": " ".join(ncu_command()), "dtype": "bfloat16", "results": []}
     if args.anchors:
         from importlib.metadata import version as installed

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["environment_record", "git_commit", "usage_refused", "gpu_record", "save_record"]
+__all__ = ["environment_record", "git_commit", "save_record"]
 
 
 def git_commit() -> str | None:
@@ -24,7 +24,7 @@ def git_commit() -> str | None:
     else the commit of this checkout, marked "+local changes" when tracked files differ from it."""
     if os.environ.get("LIGHTNING_EDU_COMMIT"):
         return os.environ["LIGHTNING_EDU_COMMIT"]
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if out.returncode == 0 and out.stdout.strip():
@@ -89,39 +89,6 @@ def environment_record(command: str | None = None, device: str = "cuda") -> dict
         command=command or "python " + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
     )
     return record
-
-
-def usage_refused(argv: list[str], doc: str, counts=(1,)) -> int | None:
-    """The exit status for a command line a measuring module does not run: 0 after printing ``doc`` (the module's
-    docstring, its usage) for ``-h``/``--help``; 2 after printing it for a wrong number of arguments or an output
-    path that starts with a dash; None for a command line to run. So ``--help`` prints the usage instead of being
-    taken for the output file."""
-    if any(a in ("-h", "--help") for a in argv):
-        print(doc)
-        return 0
-    if len(argv) not in counts or (argv and argv[0].startswith("-")):
-        print(doc)
-        return 2
-    return None
-
-
-def gpu_record(argv: list[str], doc: str, module: str, **fields) -> dict | int:
-    """The record a measuring module on a GPU starts from, or the exit status of a command line it does not run:
-    :func:`usage_refused`'s, or 1 on a machine without a CUDA device (after saying so). The record holds
-    :func:`environment_record` of ``python -m lightning_edu.perf.<module> <argv>``, the given fields, and the
-    device-to-device copy bandwidth measured now (``copy_bandwidth_bytes_per_s``, for the HBM floor)."""
-    refused = usage_refused(argv, doc)
-    if refused is not None:
-        return refused
-    import torch
-
-    if not torch.cuda.is_available():
-        print(f"python -m lightning_edu.perf.{module} measures on a CUDA GPU; none is available here.")
-        return 1
-    from .bench import copy_bandwidth
-
-    return {**environment_record(f"python -m lightning_edu.perf.{module} " + " ".join(argv)), **fields,
-            "copy_bandwidth_bytes_per_s": copy_bandwidth()}
 
 
 def save_record(path, record: dict) -> None:

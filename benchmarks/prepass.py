@@ -1,7 +1,7 @@
 """Which way the segment pre-pass sweeps: the backend's forward and forward + backward with each segment's local
 state summed from its start (the order Algorithm 1 walks) or from its end, on a GPU. (Chapter 07.)
 
-    python -m lightning_edu.perf.prepass OUT.json
+    python -m benchmarks.prepass OUT.json
 
 bf16, 16 heads, d in {64, 128}, B = max(1, 32768 / T) sequences of T in {8K, 32K, 128K} tokens (32K tokens per
 call), the benchmark's per-head decays. The two orders, :data:`~lightning_edu.triton_kernels.la2_fast.PREPASS_TAIL_FIRST`
@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import sys
 
-from .bench import head_decays
-from .environment import save_record
+from lightning_edu.environment import save_record
+from lightning_edu.models.decay import head_decays
+
 from .two_ways import HEADS, ROUNDS, backend_calls, floors_ms, inputs, start_record, summary, time_two_ways
 
 __all__ = ["SHAPES", "ROUNDS", "main"]
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     import torch
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from ..triton_kernels import la2_fast, ops
+    from lightning_edu.triton_kernels import la2_fast, ops
 
     argv = sys.argv[1:] if argv is None else argv
     record = start_record(argv, __doc__, "prepass")

@@ -1,8 +1,8 @@
 """What linear attention costs in quality: a small language model and MQAR recall, one attention at a time.
 
-    python -m lightning_edu.perf.quality --preset gpu --only lm --out quality_lm.json      # the recorded preset (chapter 13)
-    python -m lightning_edu.perf.quality --preset gpu --only mqar --budget 200 --out quality_mqar.json  # likewise
-    python -m lightning_edu.perf.quality --preset cpu --out quality.json   # a CPU: about a minute each (PRESETS)
+    python -m benchmarks.quality --preset gpu --only lm --out quality_lm.json      # the recorded preset (chapter 13)
+    python -m benchmarks.quality --preset gpu --only mqar --budget 200 --out quality_mqar.json  # likewise
+    python -m benchmarks.quality --preset cpu --out quality.json   # a CPU: about a minute each (PRESETS)
 
 Every attention of ``KINDS`` gets the same decoder (:class:`lightning_edu.models.Decoder`: width, depth,
 SwiGLU, tied embeddings), the same initial weights where their shapes agree (one seed), the same batches
@@ -30,7 +30,7 @@ MQAR's by number of pairs (fewest first, every attention at each), so a budget c
 **The file** ``--out`` names is one JSON object, the same layout whatever ``--only`` says (it is rewritten
 after every run, so an interrupted run leaves what it finished):
 
-* the header of :func:`lightning_edu.perf.environment.environment_record` (``machine``, versions, ``date``,
+* the header of :func:`lightning_edu.environment.environment_record` (``machine``, versions, ``date``,
   ``commit``, ``command``), then ``preset`` (its name), ``config`` (the whole preset: both experiments' sizes,
   whichever ran) and ``autocast``;
 * ``corpus`` (the bytes' source and sizes), only when the language model ran;
@@ -46,19 +46,15 @@ to its file's experiment.)
 
 from __future__ import annotations
 
-import argparse
-import math
-import sys
 import time
 
 import torch
 
-from ..models import Decoder, evaluate_mqar, mqar_batch, mqar_batches
-from ..models.lm import VOCAB, evaluate_lm, lm_batches, split_corpus
-from ..models.train import train, train_step
-from .environment import environment_record, save_record
+from . import Decoder, evaluate_mqar, mqar_batch, mqar_batches
+from .lm import VOCAB, evaluate_lm, lm_batches, split_corpus
+from .train import train, train_step
 
-__all__ = ["KINDS", "PRESETS", "lm_run", "mqar_run", "main"]
+__all__ = ["KINDS", "PRESETS", "lm_run", "mqar_run"]
 
 KINDS = ("softmax", "lightning", "elu", "relu2", "hybrid")
 """The attentions compared, in the order tables list them."""
@@ -171,57 +167,3 @@ def mqar_run(kind: str, cfg: dict, pairs: int, seed: int = 0, device="cpu", auto
         accuracy = evaluate_mqar(model, *test)
     return {"kind": kind, "pairs": pairs, "seed": seed, "accuracy": accuracy, "final_loss": curve[-1][1],
             "loss_curve": curve, "seconds": time.perf_counter() - t0}
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.quality", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
-    parser.add_argument("--only", choices=("lm", "mqar"), default=None)
-    parser.add_argument("--budget", type=float, default=math.inf, help="seconds; later runs are skipped past it")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    preset = PRESETS[args.preset]
-    device = "cuda" if args.preset == "gpu" else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("quality: --preset gpu needs a CUDA GPU; use --preset cpu here")
-    autocast_dtype = torch.bfloat16 if device == "cuda" else None
-    command = "python -m lightning_edu.perf.quality " + " ".join(argv)
-    record = {**environment_record(command, device=device), "preset": args.preset, "config": preset,
-              "autocast": str(autocast_dtype), "results": [], "skipped": []}
-    start = time.perf_counter()
-
-    def save():
-        save_record(args.out, record)
-
-    def over_budget(what):
-        if time.perf_counter() - start > args.budget:
-            record["skipped"].append(what)
-            return True
-        return False
-
-    if args.only in (None, "lm"):
-        data = split_corpus()
-        record["corpus"] = {"source": "pydoc_data.topics", "train_bytes": len(data[0]), "valid_bytes": len(data[1])}
-        for seed in preset["lm"]["seeds"]:
-            for kind in args.kinds:
-                if not over_budget(f"lm {kind} seed {seed}"):
-                    r = {"experiment": "lm", **lm_run(kind, preset["lm"], seed, device, data, autocast_dtype)}
-                    record["results"].append(r)
-                    print(f"lm {kind} seed {seed}: {r['best_valid_loss']:.4f}", flush=True)
-                    save()
-    if args.only in (None, "mqar"):
-        for pairs in preset["mqar"]["pairs"]:
-            for kind in args.kinds:
-                if not over_budget(f"mqar {kind} pairs {pairs}"):
-                    r = {"experiment": "mqar", **mqar_run(kind, preset["mqar"], pairs, 0, device, autocast_dtype)}
-                    record["results"].append(r)
-                    print(f"mqar {kind} {pairs}: {r['accuracy']:.3f} ({r['seconds']:.1f} s)", flush=True)
-                    save()
-    save()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

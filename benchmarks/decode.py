@@ -1,6 +1,6 @@
 """Decoding without a KV cache: the memory a linear-attention state saves, and the speed of one step. (Chapter 10.)
 
-    python -m lightning_edu.perf.decode OUT.json        # on a CUDA machine
+    python -m benchmarks.decode OUT.json        # on a CUDA machine
 
 Computed anywhere: :func:`kv_cache_bytes` and :func:`state_bytes` (and :func:`memory_table`) for a model of
 :data:`MODEL`'s shape. Measured by :func:`main` in one GPU run, one JSON record with the machine, versions and
@@ -24,48 +24,15 @@ import json
 import sys
 import time
 
-__all__ = ["MODEL", "CONTEXTS", "MEMORY_CONTEXTS", "SPEED_BATCHES", "SPEED_CONTEXTS", "SPEED_HEADS",
-           "CACHE_LIMIT_BYTES", "kv_cache_bytes", "state_bytes", "step_floor_bytes", "memory_table", "main"]
+from lightning_edu.costs import MEMORY_CONTEXTS, MODEL, kv_cache_bytes, step_floor_bytes
 
-#: The model the memory figures are stated for: the shape of a 7B-parameter decoder (hidden size 4096).
-MODEL = {"name": "7B-parameter decoder", "layers": 32, "heads": 32, "head_dim": 128}
-#: Context lengths of the computed memory table.
-CONTEXTS = (4096, 32768, 131072, 1 << 20, 4 << 20)
-#: Context lengths at which the memory of one layer's decode loop is measured (4M would need 64 GiB for one layer).
-MEMORY_CONTEXTS = (4096, 32768, 131072, 1 << 20)
+__all__ = ["SPEED_BATCHES", "SPEED_CONTEXTS", "SPEED_HEADS", "CACHE_LIMIT_BYTES", "main"]
+
 SPEED_BATCHES = (1, 4, 16, 64, 256)
 SPEED_CONTEXTS = (4096, 32768, 131072)
 SPEED_HEADS = 16
 #: The largest KV cache (one layer) the speed run allocates; larger points are recorded as not fitting.
 CACHE_LIMIT_BYTES = 40 * 2**30
-
-
-def kv_cache_bytes(tokens: int, *, layers: int, heads: int, head_dim: int, batch: int = 1, elem_bytes: int = 2) -> int:
-    """Bytes of a softmax KV cache: a key and a value of ``head_dim`` per token, head, layer and sequence."""
-    return 2 * batch * layers * heads * tokens * head_dim * elem_bytes
-
-
-def state_bytes(*, layers: int, heads: int, d_k: int, d_v: int | None = None, batch: int = 1, elem_bytes: int = 4) -> int:
-    """Bytes of the linear-attention states: one d_k x d_v matrix per head, layer and sequence (float32 by
-    default, as the kernels keep it). It does not grow with the context."""
-    return batch * layers * heads * d_k * (d_k if d_v is None else d_v) * elem_bytes
-
-
-def step_floor_bytes(batch: int, heads: int, d_k: int, d_v: int, elem_bytes: int = 2) -> int:
-    """HBM bytes one decode step cannot avoid: the float32 state read and written, q, k, v read and o written."""
-    return batch * heads * (2 * d_k * d_v * 4 + (2 * d_k + 2 * d_v) * elem_bytes)
-
-
-def memory_table(model: dict = MODEL, contexts=CONTEXTS, batch: int = 1) -> list[dict]:
-    """Per context length: the whole model's bf16 KV cache, its float32 states, and their ratio."""
-    shape = dict(layers=model["layers"], heads=model["heads"])
-    state = state_bytes(**shape, d_k=model["head_dim"], batch=batch)
-    rows = []
-    for n in contexts:
-        cache = kv_cache_bytes(n, **shape, head_dim=model["head_dim"], batch=batch)
-        rows.append({"tokens": n, "kv_cache_bytes": cache, "state_bytes": state, "ratio": cache / state})
-    return rows
-
 
 
 def main(argv=None) -> int:
@@ -74,21 +41,24 @@ def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from ..api import lightning_attention_step
-    from ..triton_kernels import log2_decay_tensor
-    from ..triton_kernels.decode import decode_step
-    from .bench import copy_bandwidth, head_decays
-    from .environment import environment_record, save_record, usage_refused
+    from lightning_edu.api import lightning_attention_step
+    from lightning_edu.environment import environment_record, save_record
+    from lightning_edu.measure import copy_bandwidth
+    from lightning_edu.models.decay import head_decays
+    from lightning_edu.triton_kernels import log2_decay_tensor
+    from lightning_edu.triton_kernels.decode import decode_step
+
+    from .common import usage_refused
 
     argv = sys.argv[1:] if argv is None else argv
     refused = usage_refused(argv, __doc__)
     if refused is not None:
         return refused
     if not torch.cuda.is_available():
-        print("python -m lightning_edu.perf.decode measures on a CUDA GPU; none is available here.")
+        print("python -m benchmarks.decode measures on a CUDA GPU; none is available here.")
         return 2
     path = argv[0]
-    record = {**environment_record("python -m lightning_edu.perf.decode " + " ".join(argv)), "model": MODEL,
+    record = {**environment_record("python -m benchmarks.decode " + " ".join(argv)), "model": MODEL,
               "speed_heads": SPEED_HEADS, "head_dim": 128, "dtype": "bfloat16", "memory": [], "results": [],
               "errors": []}
     record["copy_bandwidth_bytes_per_s"] = copy_bandwidth()

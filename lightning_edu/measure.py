@@ -1,7 +1,7 @@
 """Measuring on the reader's own machine: median wall time and peak extra memory of one call.
 
 Timings are machine-dependent, so notebooks print them under ``# NBVAL_IGNORE_OUTPUT`` and assert only
-claims with wide margins (a 64x gap, not a 10 % one). GPU timings live in :mod:`lightning_edu.perf.bench`.
+claims with wide margins (a 64x gap, not a 10 % one). GPU timings live in :mod:`benchmarks.bench`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import tracemalloc
 import weakref
 from typing import Callable
 
-__all__ = ["time_samples", "median_time", "peak_memory_numpy", "peak_memory_torch", "pin_blas_threads"]
+__all__ = ["time_samples", "median_time", "peak_memory_numpy", "peak_memory_torch", "pin_blas_threads", "copy_bandwidth", "benchmark_inputs"]
 
 
 def time_samples(fn: Callable[[], object], repeat: int = 5, warmup: int = 1, min_time: float = 0.0) -> list[float]:
@@ -121,3 +121,24 @@ def pin_blas_threads(threads: int = 1) -> list[str]:
 
     threadpool_limits(limits=int(threads), user_api="blas")
     return [info["filepath"].rsplit("/", 1)[-1] for info in threadpool_info() if info["user_api"] == "blas"]
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import torch
+    from triton.testing import do_bench
+
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def benchmark_inputs(batch, heads, T, d, dtype, seed=0):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    # Scaled so that T = 128K with lambda near 1 stays well inside bf16's range; random, never zeros, so that no
+    # kernel's masking or shortcut is skipped by accident.
+    mk = lambda: (torch.randn(batch, heads, T, d, device="cuda", generator=g) * d**-0.5).to(dtype)  # noqa: E731
+    return mk(), mk(), mk(), mk()

@@ -1,6 +1,6 @@
 """What the first call costs: compile time of the triton backend per (dtype, head dim), on a GPU. (Chapter 07.)
 
-    python -m lightning_edu.perf.first_call OUT.json
+    python -m benchmarks.first_call OUT.json
 
 Each configuration runs in a fresh Python process with an empty Triton cache directory, so the figure is
 what a new user's first call costs: forward + backward on (1, 4, 1024, d) inputs, wall time from the call
@@ -87,13 +87,15 @@ print(json.dumps(row))
 
 
 def main(argv=None) -> int:
-    from .environment import environment_record, save_record, usage_refused
+    from lightning_edu.environment import environment_record, save_record
+
+    from .common import usage_refused
 
     argv = sys.argv[1:] if argv is None else argv
     refused = usage_refused(argv, __doc__)
     if refused is not None:
         return refused
-    record = {**environment_record("python -m lightning_edu.perf.first_call " + " ".join(argv)), "results": []}
+    record = {**environment_record("python -m benchmarks.first_call " + " ".join(argv)), "results": []}
     for (dtype, d), mode in ((config, mode) for config in CONFIGS for mode in MODES):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TRITON_CACHE_DIR": cache}

@@ -1,7 +1,7 @@
 """Where the exact pass runs: in a launch of its own after the fast kernel, or in the fast kernel's own program
 right after its sweep, on a GPU. (Chapter 07.)
 
-    python -m lightning_edu.perf.redo OUT.json
+    python -m benchmarks.redo OUT.json
 
 bf16, 16 heads, d = 64 (the head dim whose kernels redo in place:
 :func:`~lightning_edu.triton_kernels._tiles.redo_in_place`), B = max(1, 32768 / T) sequences of T in {2K, 8K, 32K}
@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import sys
 
-from .bench import head_decays
-from .environment import save_record
+from lightning_edu.environment import save_record
+from lightning_edu.models.decay import head_decays
+
 from .two_ways import HEADS, backend_calls, floors_ms, inputs, start_record, summary, time_two_ways
 
 __all__ = ["SHAPES", "ROUNDS", "main"]
@@ -46,8 +47,8 @@ def main(argv=None) -> int:
     import torch
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from .. import lightning_attention
-    from ..triton_kernels import _tiles, ops
+    from lightning_edu import lightning_attention
+    from lightning_edu.triton_kernels import _tiles, ops
 
     argv = sys.argv[1:] if argv is None else argv
     record = start_record(argv, __doc__, "redo", ROUNDS)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..validation import check_finite_scalar, validate_choice, validate_positive_int
+from .validation import check_finite_scalar, validate_choice, validate_positive_int
 
 __all__ = [
     "ALGORITHMS",
@@ -49,6 +49,7 @@ __all__ = [
     "la3_cost",
     "one_pass_balance",
     "optimal_block_size",
+    "hbm_floor_bytes", "MODEL", "CONTEXTS", "MEMORY_CONTEXTS", "kv_cache_bytes", "state_bytes", "step_floor_bytes", "memory_table",
 ]
 
 ALGORITHMS = ("masked", "recurrent", "blockwise")
@@ -234,10 +235,10 @@ def modelled_time(cost: Cost, hardware: Hardware | None = None, *, check_sram: b
     balances the two; see :func:`optimal_block_size`.
     """
     if not isinstance(cost, Cost):
-        raise TypeError(f"cost must be a lightning_edu.perf.costs.Cost, got {type(cost).__name__}")
+        raise TypeError(f"cost must be a lightning_edu.costs.Cost, got {type(cost).__name__}")
     hw = Hardware() if hardware is None else hardware
     if not isinstance(hw, Hardware):
-        raise TypeError(f"hardware must be a lightning_edu.perf.costs.Hardware or None, got {type(hw).__name__}")
+        raise TypeError(f"hardware must be a lightning_edu.costs.Hardware or None, got {type(hw).__name__}")
     if check_sram and cost.algorithm == "blockwise" and cost.sram_bytes_per_block > hw.sram_bytes:
         return math.inf
     return cost.flops / hw.peak_flops + cost.hbm_bytes / hw.hbm_bandwidth + cost.sequential_steps * hw.step_latency
@@ -367,3 +368,51 @@ def one_pass_balance(d: int, seg_len: int, handoffs: int, *, elem_bytes: int = 2
     elem_bytes = validate_positive_int("elem_bytes", elem_bytes)
     state_bytes = validate_positive_int("state_bytes", state_bytes)
     return 2 * seg_len * d * elem_bytes - handoffs * 2 * d * d * state_bytes
+
+
+def hbm_floor_bytes(batch: int, T: int, heads: int, d: int, elem_bytes: int = 2, backward: bool = False) -> int:
+    """Fewest bytes a pass must move: 4 tensors of (batch, T, heads, d) forward, 7 backward."""
+    return (7 if backward else 4) * batch * T * heads * d * elem_bytes
+
+
+# ----------------------------------------------------------------------------------------------------
+# Decoding: the memory a KV cache takes against a linear-attention state, and the bytes one step must move.
+
+
+#: The model the memory figures are stated for: the shape of a 7B-parameter decoder (hidden size 4096).
+MODEL = {"name": "7B-parameter decoder", "layers": 32, "heads": 32, "head_dim": 128}
+
+
+#: Context lengths of the computed memory table.
+CONTEXTS = (4096, 32768, 131072, 1 << 20, 4 << 20)
+
+
+#: Context lengths at which the memory of one layer's decode loop is measured (4M would need 64 GiB for one layer).
+MEMORY_CONTEXTS = (4096, 32768, 131072, 1 << 20)
+
+
+def kv_cache_bytes(tokens: int, *, layers: int, heads: int, head_dim: int, batch: int = 1, elem_bytes: int = 2) -> int:
+    """Bytes of a softmax KV cache: a key and a value of ``head_dim`` per token, head, layer and sequence."""
+    return 2 * batch * layers * heads * tokens * head_dim * elem_bytes
+
+
+def state_bytes(*, layers: int, heads: int, d_k: int, d_v: int | None = None, batch: int = 1, elem_bytes: int = 4) -> int:
+    """Bytes of the linear-attention states: one d_k x d_v matrix per head, layer and sequence (float32 by
+    default, as the kernels keep it). It does not grow with the context."""
+    return batch * layers * heads * d_k * (d_k if d_v is None else d_v) * elem_bytes
+
+
+def step_floor_bytes(batch: int, heads: int, d_k: int, d_v: int, elem_bytes: int = 2) -> int:
+    """HBM bytes one decode step cannot avoid: the float32 state read and written, q, k, v read and o written."""
+    return batch * heads * (2 * d_k * d_v * 4 + (2 * d_k + 2 * d_v) * elem_bytes)
+
+
+def memory_table(model: dict = MODEL, contexts=CONTEXTS, batch: int = 1) -> list[dict]:
+    """Per context length: the whole model's bf16 KV cache, its float32 states, and their ratio."""
+    shape = dict(layers=model["layers"], heads=model["heads"])
+    state = state_bytes(**shape, d_k=model["head_dim"], batch=batch)
+    rows = []
+    for n in contexts:
+        cache = kv_cache_bytes(n, **shape, head_dim=model["head_dim"], batch=batch)
+        rows.append({"tokens": n, "kv_cache_bytes": cache, "state_bytes": state, "ratio": cache / state})
+    return rows

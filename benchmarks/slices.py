@@ -1,7 +1,7 @@
 """Slices against segments: the forward with no backward to follow over how d_v is cut and how the sequence is
 cut, on a GPU. (Chapter 07.)
 
-    python -m lightning_edu.perf.slices OUT.json [--T 32768 ...] [--D 64 128] [--segments 2 4 8 16] [--budget-s 400]
+    python -m benchmarks.slices OUT.json [--T 32768 ...] [--D 64 128] [--segments 2 4 8 16] [--budget-s 400]
 
 bf16, 16 heads, B = max(1, 32768 / T) sequences of T tokens, the benchmark's per-head decays. Both ways of making
 programs for the chip cost bytes. A segment makes the pre-pass read K and V of every segment but the last a second
@@ -26,8 +26,11 @@ import itertools
 import sys
 import time
 
-from .bench import hbm_floor_bytes, head_decays
-from .environment import gpu_record, save_record
+from lightning_edu.costs import hbm_floor_bytes
+from lightning_edu.environment import save_record
+from lightning_edu.models.decay import head_decays
+
+from .common import gpu_record
 
 __all__ = ["main", "variants"]
 
@@ -49,7 +52,7 @@ def variants(d: int) -> list[dict]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.slices", add_help=False)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.slices", add_help=False)
     parser.add_argument("out")
     parser.add_argument("--T", type=int, nargs="+", default=[32768])
     parser.add_argument("--D", type=int, nargs="+", default=[64, 128])
@@ -69,13 +72,13 @@ def main(argv=None) -> int:
                         timer="triton.testing.do_bench_cudagraph, median", results=[])
     if isinstance(record, int):
         return record
-    record["command"] = "python -m lightning_edu.perf.slices " + " ".join(argv)
+    record["command"] = "python -m benchmarks.slices " + " ".join(argv)
     import numpy as np
     import torch
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from ..triton_kernels import la2_fast, ops
-    from ..triton_kernels._tiles import cdiv
+    from lightning_edu.triton_kernels import la2_fast, ops
+    from lightning_edu.triton_kernels._tiles import cdiv
 
     bw = record["copy_bandwidth_bytes_per_s"]
     log2_decay = torch.tensor(np.log2(head_decays(HEADS)), dtype=torch.float32, device="cuda")

@@ -1,7 +1,7 @@
 """The paper's Figure 3 on this GPU: LA-1, LA-2 (literal and fast) and softmax against the sequence length.
 (Chapter 08.)
 
-    python -m lightning_edu.perf.figure3 OUT.json        # on a GPU machine; written after every row
+    python -m benchmarks.figure3 OUT.json        # on a GPU machine; written after every row
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ import sys
 
 import torch
 
-from ..triton_kernels import VARIANTS, kernel_config, log2_decay_tensor
-from ..triton_kernels._tiles import sm_count
-from ..triton_kernels.la1 import la1_backward, la1_forward
-from ..triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
-from .bench import copy_bandwidth, head_decays
-from .environment import environment_record, save_record, usage_refused
+from lightning_edu.environment import environment_record, save_record
+from lightning_edu.measure import copy_bandwidth
+from lightning_edu.models.decay import head_decays
+from lightning_edu.triton_kernels import VARIANTS, kernel_config, log2_decay_tensor
+from lightning_edu.triton_kernels._tiles import sm_count
+from lightning_edu.triton_kernels.la1 import la1_backward, la1_forward
+from lightning_edu.triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
+
+from .common import usage_refused
 
 __all__ = ["figure3_benchmark"]
 
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
     if refused is not None:
         return refused
     target = argv[0]
-    record = {**environment_record("python -m lightning_edu.perf.figure3 " + " ".join(argv)),
+    record = {**environment_record("python -m benchmarks.figure3 " + " ".join(argv)),
               "copy_bandwidth_GBps": None, "results": []}
 
     def save(row):  # rewrite after every row, so a run cut short still leaves what it measured

@@ -1,10 +1,10 @@
 """GPU benchmark harness: our kernels side by side with the libraries a user would otherwise call.
 
-    python -m lightning_edu.perf.bench --out bench.json                   # the chapter 07-08 table
-    python -m lightning_edu.perf.bench --tune --out tune.json             # tile sweep of the la2_fast kernels
-    python -m lightning_edu.perf.bench --tiny --out tiny.json             # a tiny call's wall time, host included
-    python -m lightning_edu.perf.bench --tiny --rounds 5 --out tiny.json  # the same, methods in interleaved rounds
-    python -m lightning_edu.perf.bench --backward-on-caller --out b.json  # the table, backward on the calling thread
+    python -m benchmarks.bench --out bench.json                   # the chapter 07-08 table
+    python -m benchmarks.bench --tune --out tune.json             # tile sweep of the la2_fast kernels
+    python -m benchmarks.bench --tiny --out tiny.json             # a tiny call's wall time, host included
+    python -m benchmarks.bench --tiny --rounds 5 --out tiny.json  # the same, methods in interleaved rounds
+    python -m benchmarks.bench --backward-on-caller --out b.json  # the table, backward on the calling thread
 
 For every sequence length T and head dim D (H heads, bf16, T * batch = 32K tokens per call) and every
 method, it reports the forward and forward+backward time (median of ``triton.testing.do_bench``; with
@@ -34,41 +34,22 @@ from typing import Callable
 import numpy as np
 from tqdm.auto import tqdm
 
-from .. import registry
-from .environment import environment_record, save_record
+from lightning_edu import registry
+from lightning_edu.book import RECORDED_NAMES, method_name
+from lightning_edu.costs import hbm_floor_bytes
+from lightning_edu.environment import environment_record, save_record
+from lightning_edu.measure import benchmark_inputs, copy_bandwidth
+from lightning_edu.models.decay import head_decays
 
-__all__ = ["backward_on_caller", "hbm_floor_bytes", "head_decays", "Method", "METHODS", "RECORDED_NAMES", "registry_methods", "method_name",
-           "with_current_names", "interleaved", "main"]
-
-
-def hbm_floor_bytes(batch: int, T: int, heads: int, d: int, elem_bytes: int = 2, backward: bool = False) -> int:
-    """Fewest bytes a pass must move: 4 tensors of (batch, T, heads, d) forward, 7 backward."""
-    return (7 if backward else 4) * batch * T * heads * d * elem_bytes
-
-
-def head_decays(heads: int) -> np.ndarray:
-    """Per-head lambda_h = exp(-2^(-8 (h+1) / heads)): the ALiBi-style slopes of the original LA-2 tests."""
-    slopes = 2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)
-    return np.exp(-slopes)
+__all__ = ["backward_on_caller", "Method", "METHODS", "registry_methods", "interleaved", "main"]
 
 
 def _refuse_without_gpu():
     import torch
 
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        raise SystemExit("lightning_edu.perf.bench: refusing to time without CUDA or under TRITON_INTERPRET=1 "
+        raise SystemExit("benchmarks.bench: refusing to time without CUDA or under TRITON_INTERPRET=1 "
                          "(the CPU interpreter's timings say nothing about a GPU).")
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    import torch
-    from triton.testing import do_bench
-
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
-    return 2 * nbytes / (ms * 1e-3)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -94,32 +75,7 @@ class Method:
     max_T: int | None = None
 
 
-# Names that recorded files (notebooks/data/bench_*.json) and their commands use for our kernels, and the
-# registry names they stand for today. The one place an old name is translated; no name is ever parsed.
-RECORDED_NAMES = {
-    "la1": "triton.la1",
-    "la2_literal": "triton.la2_literal",
-    "la2_fast_noseg": "triton.la2_fast.one_segment",
-    "la2_fast_nosave": "triton.la2_fast.no_state_reuse",
-    "la2_fast_fused_bwd": "triton.la2_fast.fused_dkdv",
-}
-
 BENCH_KEYS = {"max_T"}  # what a registry record's ``bench`` defaults may say
-
-
-def method_name(name: str) -> str:
-    """The current name of a method, given a current name or one from :data:`RECORDED_NAMES`."""
-    return RECORDED_NAMES.get(name, name)
-
-
-def with_current_names(data: dict) -> dict:
-    """A copy of a recorded benchmark (``python -m lightning_edu.perf.bench --out``) under current names."""
-    out = dict(data)
-    out["results"] = [{**r, "method": method_name(r["method"])} if "method" in r else r for r in data["results"]]
-    for key in ("correctness_rel_err", "unavailable"):
-        if key in data:
-            out[key] = {method_name(name): value for name, value in data[key].items()}
-    return out
 
 
 def _registry_method(impl: registry.Implementation) -> Method:
@@ -143,7 +99,7 @@ def _registry_method(impl: registry.Implementation) -> Method:
     def make(q, k, v, decay, do):
         import torch
 
-        from ..validation import validate_attention_args
+        from lightning_edu.validation import validate_attention_args
 
         if impl.backend:
             q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
@@ -208,7 +164,6 @@ def _autograd(fn):
 
 def _sdpa(backend_name):
     def make(q, k, v, decay, do):
-        import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -252,7 +207,7 @@ def _user_call(q, k, v, decay, do):
     made once (a buffer or parameter of the layer), validation and dispatch included in every call."""
     import torch
 
-    from ..api import lightning_attention
+    from lightning_edu.api import lightning_attention
 
     decay_t = torch.tensor(np.asarray(decay), dtype=torch.float32, device=q.device)
     return _autograd(lambda a, b, c: lightning_attention(a, b, c, decay_t, backend="triton"))(q, k, v, do)
@@ -262,7 +217,7 @@ def _backend_on_pointers(q, k, v, decay, do):
     """The backend (``triton``) with its passes in time order on la2_fast's pointer kernel, not on descriptor tiles
     (:data:`~lightning_edu.triton_kernels.la2_tma.BACKEND` off during each timed call): what the TMA's loads
     bring to the backend, measured in the same run."""
-    from ..triton_kernels import la2_tma
+    from lightning_edu.triton_kernels import la2_tma
 
     def pointers(fn):
         def run():
@@ -291,24 +246,14 @@ METHODS: dict[str, Method] = {
 LINEAR = {name for name, m in METHODS.items() if m.same_function}  # the methods that compute our function
 
 
-def _inputs(batch, heads, T, d, dtype, seed=0):
-    import torch
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    # Scaled so that T = 128K with lambda near 1 stays well inside bf16's range; random, never zeros, so that no
-    # kernel's masking or shortcut is skipped by accident.
-    mk = lambda: (torch.randn(batch, heads, T, d, device="cuda", generator=g) * d**-0.5).to(dtype)  # noqa: E731
-    return mk(), mk(), mk(), mk()
-
-
 def _correctness(method: Method, decay_fn, dtype):
     """Relative error of a method's forward against float64 numpy on one small case (same function?)."""
-    from ..checks import relative_error
-    from ..numpy_blockwise import blockwise_forward
+    from lightning_edu.checks import relative_error
+    from lightning_edu.numpy_blockwise import blockwise_forward
 
     if not method.same_function:  # softmax attention: a different function, nothing to compare with
         return None
-    q, k, v, do = _inputs(1, 4, 1000, 64, dtype, seed=7)
+    q, k, v, do = benchmark_inputs(1, 4, 1000, 64, dtype, seed=7)
     decay = decay_fn(4)
     fwd, _ = method.make(q, k, v, decay, do)
     o = fwd()
@@ -406,7 +351,7 @@ def interleaved(measures: dict, rounds: int) -> dict:
 def run_table(args) -> dict:
     import torch
 
-    data = environment_record("python -m lightning_edu.perf.bench " + " ".join(sys.argv[1:]))
+    data = environment_record("python -m benchmarks.bench " + " ".join(sys.argv[1:]))
     bw = copy_bandwidth()
     data["copy_bandwidth_bytes_per_s"] = bw
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -428,7 +373,7 @@ def run_table(args) -> dict:
     for d, T in (bar := tqdm([(d, T) for d in args.D for T in args.T], desc="bench", unit="shape")):
         bar.set_postfix_str(f"T={T} D={d}")
         batch = max(1, args.tokens // T)
-        q, k, v, do = _inputs(batch, args.H, T, d, dtype)
+        q, k, v, do = benchmark_inputs(batch, args.H, T, d, dtype)
         decay = head_decays(args.H)
         names = [name for name in available if available[name].max_T is None or T <= available[name].max_T]
         measures = {name: (lambda m=available[name]: _measure(wrap(m.make), q, k, v, decay, do)) for name in names}
@@ -471,10 +416,10 @@ def run_tune(args) -> dict:
     import torch
     from triton.testing import do_bench_cudagraph
 
-    from ..triton_kernels import log2_decay_tensor
-    from ..triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
+    from lightning_edu.triton_kernels import log2_decay_tensor
+    from lightning_edu.triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
 
-    data = environment_record("python -m lightning_edu.perf.bench " + " ".join(sys.argv[1:]))
+    data = environment_record("python -m benchmarks.bench " + " ".join(sys.argv[1:]))
     data["copy_bandwidth_bytes_per_s"] = copy_bandwidth()
     data["timer"] = TUNE_TIMER
     fwd_grid = [("fwd", d, T, dict(block=b, block_dv=bv, num_warps=w, num_stages=st))
@@ -487,7 +432,7 @@ def run_tune(args) -> dict:
     for kind, d, T, cfg in (bar := tqdm(grid, desc="tune", unit="config")):
         bar.set_postfix_str(f"{kind} D={d} T={T} {cfg}")
         batch = max(1, args.tokens // T)
-        q, k, v, do = _inputs(batch, args.H, T, d, torch.bfloat16)
+        q, k, v, do = benchmark_inputs(batch, args.H, T, d, torch.bfloat16)
         l2 = log2_decay_tensor(head_decays(args.H), "cuda")
         row = {"kind": kind, "T": T, "D": d, **cfg}
         try:
@@ -522,14 +467,14 @@ def run_tiny(args, repeat: int = 200) -> dict:
     the median over the rounds with the rounds' values: methods compared in one round met the same host."""
     import torch
 
-    from .measure import median_time
+    from lightning_edu.measure import median_time
 
-    data = environment_record("python -m lightning_edu.perf.bench " + " ".join(sys.argv[1:]))
+    data = environment_record("python -m benchmarks.bench " + " ".join(sys.argv[1:]))
     data["rounds"] = args.rounds
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     results = []
     for d in args.D:
-        q, k, v, do = _inputs(1, 4, 256, d, dtype)
+        q, k, v, do = benchmark_inputs(1, 4, 256, d, dtype)
         made: dict = {}  # each method's callables, made at its first round
 
         def measure(name):
@@ -568,7 +513,7 @@ def _table(data) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--T", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
     parser.add_argument("--D", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--H", type=int, default=16)

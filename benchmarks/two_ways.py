@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 
-from .environment import gpu_record
+from .common import gpu_record
 
 __all__ = ["HEADS", "ROUNDS", "TIMER", "start_record", "inputs", "backend_calls", "floors_ms", "time_two_ways",
            "summary"]
@@ -36,7 +36,7 @@ def backend_calls(q, k, v, do, log2_decay):
     """(fwd, fwdbwd): the backend's forward with no backward to follow, and its forward (states saved) +
     backward, called through :func:`~lightning_edu.triton_kernels.ops.forward_impl` and ``backward_impl``;
     fwdbwd returns (o, dq, dk, dv)."""
-    from ..triton_kernels import ops
+    from lightning_edu.triton_kernels import ops
 
     def fwd():
         return ops.forward_impl(q, k, v, log2_decay, None, None, False)[0]
@@ -50,7 +50,7 @@ def backend_calls(q, k, v, do, log2_decay):
 
 def floors_ms(batch: int, t: int, d: int, bandwidth: float) -> tuple[float, float]:
     """The HBM floors in ms of a forward (4 tensors) and of a forward + backward (4 + 7), at ``bandwidth``."""
-    from .bench import hbm_floor_bytes
+    from lightning_edu.costs import hbm_floor_bytes
 
     fwd = hbm_floor_bytes(batch, t, HEADS, d)
     return fwd / bandwidth * 1e3, (fwd + hbm_floor_bytes(batch, t, HEADS, d, backward=True)) / bandwidth * 1e3

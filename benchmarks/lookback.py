@@ -1,7 +1,7 @@
 """The one-pass forward (chained scan, decoupled look-back) beside the backend's two-pass forward, on a GPU.
 (Chapter 07.)
 
-    python -m lightning_edu.perf.lookback OUT.json [--ncu]
+    python -m benchmarks.lookback OUT.json [--ncu]
 
 bf16, 16 heads, 32K tokens per call (B = 32768 / T; 1 x 128K at T = 128K), the benchmark's per-head decays,
 head dim 64 and 128, T = 2K, 8K, 32K, 128K. At each shape:
@@ -15,7 +15,7 @@ head dim 64 and 128, T = 2K, 8K, 32K, 128K. At each shape:
 
 With ``--ncu``, Nsight Compute profiles every kernel of one two-pass forward and of the one-pass forwards at
 :data:`NCU_SEG_LENS` at T = 32K (each kernel on its own, caches emptied before it, as
-:mod:`lightning_edu.perf.kernels` does): its time and the bytes it read from and wrote to DRAM, in tensors
+:mod:`benchmarks.kernels` does): its time and the bytes it read from and wrote to DRAM, in tensors
 (one of q, k, v, o): the forward must read three and write one. One JSON record with the machine, versions
 and commit.
 """
@@ -25,8 +25,12 @@ from __future__ import annotations
 import json
 import sys
 
-from .bench import copy_bandwidth, hbm_floor_bytes, head_decays
-from .environment import environment_record, save_record, usage_refused
+from lightning_edu.costs import hbm_floor_bytes
+from lightning_edu.environment import environment_record, save_record
+from lightning_edu.measure import copy_bandwidth
+from lightning_edu.models.decay import head_decays
+
+from .common import usage_refused
 
 __all__ = ["SEG_LENS", "NCU_SEG_LENS", "SHAPES", "main"]
 
@@ -37,7 +41,7 @@ HEADS = 16
 
 _CHILD = r"""
 import json, sys, numpy as np, torch
-from lightning_edu.perf.bench import head_decays
+from lightning_edu.models.decay import head_decays
 from lightning_edu.triton_kernels import _tiles
 from lightning_edu.triton_kernels.la2_fast import la2_fast_forward
 from lightning_edu.triton_kernels.lookback import lookback_forward
@@ -86,8 +90,8 @@ def main(argv=None) -> int:
     import torch
     from triton.testing import do_bench
 
-    from ..triton_kernels.la2_fast import la2_fast_forward
-    from ..triton_kernels.lookback import lookback_forward
+    from lightning_edu.triton_kernels.la2_fast import la2_fast_forward
+    from lightning_edu.triton_kernels.lookback import lookback_forward
 
     argv = sys.argv[1:] if argv is None else argv
     refused = usage_refused([a for a in argv if a != "--ncu"], __doc__)
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
         print("needs a CUDA device")
         return 1
     path = next(a for a in argv if a != "--ncu")
-    record = {**environment_record("python -m lightning_edu.perf.lookback " + " ".join(argv)), "heads": HEADS,
+    record = {**environment_record("python -m benchmarks.lookback " + " ".join(argv)), "heads": HEADS,
               "dtype": "bfloat16", "seg_lens": list(SEG_LENS), "results": [], "ncu": []}
     bw = copy_bandwidth()
     record["copy_bandwidth_bytes_per_s"] = bw

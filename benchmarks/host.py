@@ -1,7 +1,7 @@
 """What a short call costs the host: the triton backend's forward + backward, one layer of the call at a time.
 (Chapter 08.)
 
-    python -m lightning_edu.perf.host OUT.json [--d 64] [--T 256]
+    python -m benchmarks.host OUT.json [--d 64] [--T 256]
 
 On a short sequence the kernels finish before the host has launched the next one, so the host's time per call
 is the call's time. Each row times the same forward + backward (bf16, 1 x 4 heads x T tokens, per-head decay
@@ -55,10 +55,10 @@ ROWS = ("kernels, Triton's launch", "kernels, launchers' host code", "kernels", 
 def _calls(d: int, T: int, heads: int = 4):
     import torch
 
-    from .. import lightning_attention
-    from ..triton_kernels import _tiles, log2_decay_tensor, ops
-    from ..triton_kernels.ops import EagerLA2, backward_impl, forward_impl, la2_forward
-    from .bench import head_decays
+    from lightning_edu import lightning_attention
+    from lightning_edu.models.decay import head_decays
+    from lightning_edu.triton_kernels import _tiles, log2_decay_tensor, ops
+    from lightning_edu.triton_kernels.ops import EagerLA2, backward_impl, forward_impl, la2_forward
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(1, heads, T, d, device="cuda", generator=gen).bfloat16() / 4 for _ in range(4))
@@ -151,9 +151,9 @@ def measure(d: int = 64, T: int = 256, rounds: int = 15, calls: int = 20) -> lis
 
 
 def main(argv=None) -> int:
-    from .environment import environment_record, save_record
+    from lightning_edu.environment import environment_record, save_record
 
-    parser = argparse.ArgumentParser(prog="python -m lightning_edu.perf.host", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host", description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--d", type=int, default=64)
     parser.add_argument("--T", type=int, default=256)
@@ -168,12 +168,12 @@ def main(argv=None) -> int:
         print(json.dumps(measure(args.d, args.T)))
         return 0
     argv = sys.argv[1:] if argv is None else argv
-    command = "python -m lightning_edu.perf.host " + " ".join(argv)
+    command = "python -m benchmarks.host " + " ".join(argv)
     record = {**environment_record(command), "shape": {"batch": 1, "heads": 4, "T": args.T, "d": args.d},
               "dtype": "bfloat16", "results": measure(args.d, args.T)}
     # The same rows in a fresh process confined to one core (every thread it starts inherits the mask).
     core = min(os.sched_getaffinity(0))
-    child = subprocess.run([sys.executable, "-m", "lightning_edu.perf.host", args.out, "--d", str(args.d),
+    child = subprocess.run([sys.executable, "-m", "benchmarks.host", args.out, "--d", str(args.d),
                             "--T", str(args.T), "--rows-only"], capture_output=True, text=True, check=True,
                            preexec_fn=lambda: os.sched_setaffinity(0, {core}))
     record["one_core"] = core

@@ -1,6 +1,6 @@
 """How many segments: the forward with d_v whole over segment counts, on a GPU. (Chapter 07.)
 
-    python -m lightning_edu.perf.segments OUT.json
+    python -m benchmarks.segments OUT.json
 
 bf16, d = 128, 16 heads, one sequence of 32K and of 128K tokens, the benchmark's per-head decays. The forward
 with no backward to follow, on :data:`~lightning_edu.triton_kernels.la2_fast.WHOLE_DV`'s tiles (64-row blocks,
@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import sys
 
-from .bench import hbm_floor_bytes, head_decays
-from .environment import gpu_record, save_record
+from lightning_edu.costs import hbm_floor_bytes
+from lightning_edu.environment import save_record
+from lightning_edu.models.decay import head_decays
+
+from .common import gpu_record
 
 __all__ = ["SEGMENTS", "STAGES", "LENGTHS", "main"]
 
@@ -38,9 +41,9 @@ def main(argv=None) -> int:
     import torch
     from triton.testing import do_bench_cudagraph
 
-    from ..triton_kernels import ops
-    from ..triton_kernels.la2_fast import WHOLE_DV
-    from ..triton_kernels.la2_tma import la2_tma_forward
+    from lightning_edu.triton_kernels import ops
+    from lightning_edu.triton_kernels.la2_fast import WHOLE_DV
+    from lightning_edu.triton_kernels.la2_tma import la2_tma_forward
 
     argv = sys.argv[1:] if argv is None else argv
     record = gpu_record(argv, __doc__, "segments", heads=HEADS, d=D, dtype="bfloat16",

@@ -1,7 +1,7 @@
 """The recompute-heavy backward on a GPU: its tiles beside la2_fast's backward, and what every kernel uses on
 chip. (Chapter 09.)
 
-    python -m lightning_edu.perf.la3_sweep OUT.json
+    python -m benchmarks.la3_sweep OUT.json
 
 Two parts, one JSON record (with the machine, versions and commit):
 
@@ -21,9 +21,11 @@ import math
 import sys
 import time
 
-from .bench import head_decays
-from .environment import environment_record, save_record, usage_refused
-from .resources import compiled_resources
+from lightning_edu.environment import environment_record, save_record
+from lightning_edu.models.decay import head_decays
+from lightning_edu.triton_kernels.resources import compiled_resources
+
+from .common import usage_refused
 
 __all__ = ["TILES", "main"]
 
@@ -42,17 +44,17 @@ def main(argv=None) -> int:
     import torch
     from triton.testing import do_bench
 
-    from ..triton_kernels import kernel_config, log2_decay_tensor, tiles_for
-    from ..triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
-    from ..triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
-    from ..triton_kernels.la3 import la3_backward
+    from lightning_edu.triton_kernels import kernel_config, log2_decay_tensor, tiles_for
+    from lightning_edu.triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
+    from lightning_edu.triton_kernels.la2_literal import la2_literal_backward, la2_literal_forward
+    from lightning_edu.triton_kernels.la3 import la3_backward
 
     argv = sys.argv[1:] if argv is None else argv
     refused = usage_refused(argv, __doc__)
     if refused is not None:
         return refused
     path = argv[0]
-    record = {**environment_record("python -m lightning_edu.perf.la3_sweep " + " ".join(argv)), "heads": HEADS,
+    record = {**environment_record("python -m benchmarks.la3_sweep " + " ".join(argv)), "heads": HEADS,
               "results": [], "resources": [], "errors": []}
 
     def save():

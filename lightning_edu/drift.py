@@ -1,7 +1,7 @@
 """How far a float32 state drifts over a million tokens, and what a compensated or float64 state changes.
 (Chapter 10.)
 
-    python -m lightning_edu.perf.drift OUT.json [TOKENS]       # TOKENS defaults to 2**20
+    python -m benchmarks.drift OUT.json [TOKENS]       # TOKENS defaults to 2**20
 
 records one :func:`state_drift` run (under ``results``) for every distribution, decay (1 and 0.999), input
 dtype, update and state, with the machine, versions and commit.
@@ -24,12 +24,11 @@ from its own seeded generator: a shorter run sees exactly the first tokens of a 
 from __future__ import annotations
 
 import math
-import sys
 import time
 
 import numpy as np
 
-__all__ = ["PIECE", "DISTRIBUTIONS", "STATES", "UPDATES", "state_drift", "main"]
+__all__ = ["PIECE", "DISTRIBUTIONS", "STATES", "UPDATES", "state_drift"]
 
 PIECE = 8192
 DISTRIBUTIONS = ("zero-mean", "positive")
@@ -180,33 +179,3 @@ def state_drift(n_tokens: int, decay: float = 1.0, *, inputs: str = "float32", s
         done += length
     return {**out, "seconds": seconds, "n_tokens": n_tokens, "decay": decay, "inputs": inputs, "state": state,
             "update": update, "block": block, "d": d, "distribution": distribution, "seed": seed}
-
-
-def main(argv=None) -> int:
-    from .environment import environment_record, save_record, usage_refused
-
-    argv = sys.argv[1:] if argv is None else argv
-    refused = usage_refused(argv, __doc__, counts=(1, 2))
-    if refused is not None:
-        return refused
-    path = argv[0]
-    n = int(argv[1]) if len(argv) == 2 else 1 << 20
-    record = {**environment_record("python -m lightning_edu.perf.drift " + " ".join(argv), device="cpu"),
-              "results": []}
-    start = time.time()
-    for distribution in DISTRIBUTIONS:
-        for decay in (1.0, 0.999):
-            for inputs in ("float32", "bfloat16"):
-                for update in UPDATES:
-                    for state in STATES:
-                        run = state_drift(n, decay, inputs=inputs, state=state, update=update,
-                                          distribution=distribution)
-                        record["results"].append(run)
-                        print(f"{time.time() - start:5.0f}s {distribution} decay={decay} {inputs} {update} {state}: "
-                              f"final state error {run['state_error'][-1]:.2g} ({run['seconds']:.1f} s)", flush=True)
-                        save_record(path, record)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

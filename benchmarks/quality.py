@@ -1,0 +1,74 @@
+"""Record what linear attention costs in quality (chapter 13): :func:`lightning_edu.models.quality.lm_run` and
+:func:`~lightning_edu.models.quality.mqar_run` for every attention of a preset.
+
+    python -m benchmarks.quality --preset gpu --only lm --out quality_lm.json      # the recorded preset (chapter 13)
+    python -m benchmarks.quality --preset gpu --only mqar --budget 200 --out quality_mqar.json  # likewise
+    python -m benchmarks.quality --preset cpu --out quality.json   # a CPU: about a minute each (PRESETS)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+from lightning_edu.environment import environment_record, save_record
+from lightning_edu.models.lm import split_corpus
+from lightning_edu.models.quality import KINDS, PRESETS, lm_run, mqar_run
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.quality", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--only", choices=("lm", "mqar"), default=None)
+    parser.add_argument("--budget", type=float, default=math.inf, help="seconds; later runs are skipped past it")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    preset = PRESETS[args.preset]
+    device = "cuda" if args.preset == "gpu" else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("quality: --preset gpu needs a CUDA GPU; use --preset cpu here")
+    autocast_dtype = torch.bfloat16 if device == "cuda" else None
+    command = "python -m benchmarks.quality " + " ".join(argv)
+    record = {**environment_record(command, device=device), "preset": args.preset, "config": preset,
+              "autocast": str(autocast_dtype), "results": [], "skipped": []}
+    start = time.perf_counter()
+
+    def save():
+        save_record(args.out, record)
+
+    def over_budget(what):
+        if time.perf_counter() - start > args.budget:
+            record["skipped"].append(what)
+            return True
+        return False
+
+    if args.only in (None, "lm"):
+        data = split_corpus()
+        record["corpus"] = {"source": "pydoc_data.topics", "train_bytes": len(data[0]), "valid_bytes": len(data[1])}
+        for seed in preset["lm"]["seeds"]:
+            for kind in args.kinds:
+                if not over_budget(f"lm {kind} seed {seed}"):
+                    r = {"experiment": "lm", **lm_run(kind, preset["lm"], seed, device, data, autocast_dtype)}
+                    record["results"].append(r)
+                    print(f"lm {kind} seed {seed}: {r['best_valid_loss']:.4f}", flush=True)
+                    save()
+    if args.only in (None, "mqar"):
+        for pairs in preset["mqar"]["pairs"]:
+            for kind in args.kinds:
+                if not over_budget(f"mqar {kind} pairs {pairs}"):
+                    r = {"experiment": "mqar", **mqar_run(kind, preset["mqar"], pairs, 0, device, autocast_dtype)}
+                    record["results"].append(r)
+                    print(f"mqar {kind} {pairs}: {r['accuracy']:.3f} ({r['seconds']:.1f} s)", flush=True)
+                    save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
