@@ -215,17 +215,14 @@ def _user_call(q, k, v, decay, do):
 
 def _backend_on_pointers(q, k, v, decay, do):
     """The backend (``triton``) with its passes in time order on la2_fast's pointer kernel, not on descriptor tiles
-    (:data:`~lightning_edu.triton_kernels.la2_tma.BACKEND` off during each timed call): what the TMA's loads
-    bring to the backend, measured in the same run."""
-    from lightning_edu.triton_kernels import la2_tma
+    (``plan.override(tma=False)`` during each timed call): what the TMA's loads bring to the backend, measured in
+    the same run."""
+    from lightning_edu.triton_kernels import plan
 
     def pointers(fn):
         def run():
-            was, la2_tma.BACKEND = la2_tma.BACKEND, False
-            try:
+            with plan.override(tma=False):
                 return fn()
-            finally:
-                la2_tma.BACKEND = was
         return run
 
     fwd, fwdbwd = _registry_method(registry.backend_for("triton")).make(q, k, v, decay, do)

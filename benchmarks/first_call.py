@@ -6,7 +6,7 @@ Each configuration runs in a fresh Python process with an empty Triton cache dir
 what a new user's first call costs: forward + backward on (1, 4, 1024, d) inputs, wall time from the call
 to its gradients, then the second call's wall time for comparison. Each configuration runs twice: as the
 backend runs by default ("ahead": the first call compiles its kernels side by side,
-:func:`lightning_edu.triton_kernels._tiles.compile_ahead`) and with ``ops.COMPILE_AHEAD = False`` ("lazy":
+:func:`lightning_edu.triton_kernels._tiles.compile_ahead`) and under ``plan.override(compile_ahead=False)`` ("lazy":
 each kernel compiles at its first launch, one after another). Each row also counts the kernels compiled
 (``compiled``) and how many of them were compiled at a launch rather than ahead (``at_launch``; 0 when the
 ahead pass foresaw every kernel).
@@ -42,9 +42,11 @@ import torch
 import triton
 import triton.compiler
 import lightning_edu as le
-from lightning_edu.triton_kernels import ops
+import contextlib
+from lightning_edu.triton_kernels import plan
 dtype, d, mode = getattr(torch, sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-ops.COMPILE_AHEAD = mode == "ahead"
+settings = contextlib.ExitStack()  # the whole child runs under the mode
+settings.enter_context(plan.override(compile_ahead=mode == "ahead"))
 compiled = []  # one flag per kernel compiled: whether it was compiled at a launch (not by a warm-up)
 triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(not kw["is_manual_warmup"])
 spans = []  # (start, end) of each compilation

@@ -9,10 +9,10 @@ as a CUDA tensor, gradients set to None after each call, as a training step does
 the call at a time, the sixth is the public function, the last two autograd's engine alone:
 
 1. ``kernels, Triton's launch``: row 2 with every kernel launched through Triton's ``kernel[grid]``
-   (``_tiles.FAST_LAUNCH`` off), for the cost of Triton's launch-time work;
+   (``fast_launch`` off), for the cost of Triton's launch-time work;
 2. ``kernels, launchers' host code``: the launchers alone (:func:`~lightning_edu.triton_kernels.ops.forward_impl`,
    then :func:`~lightning_edu.triton_kernels.ops.backward_impl` on the saved states), no autograd, with their
-   host code run on every call (``ops.REPLAY`` off);
+   host code run on every call (``replay`` off);
 3. ``kernels``: the same, as the backend runs them: from the second call on, the launches recorded at the first
    call with these shapes are replayed (:class:`~lightning_edu.triton_kernels._tiles.LaunchPlan`);
 4. ``autograd Function``: the same, as :class:`~lightning_edu.triton_kernels.ops.EagerLA2` under autograd;
@@ -57,7 +57,7 @@ def _calls(d: int, T: int, heads: int = 4):
 
     from lightning_edu import lightning_attention
     from lightning_edu.models.decay import head_decays
-    from lightning_edu.triton_kernels import _tiles, log2_decay_tensor, ops
+    from lightning_edu.triton_kernels import log2_decay_tensor, plan
     from lightning_edu.triton_kernels.ops import EagerLA2, backward_impl, forward_impl, la2_forward
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -100,21 +100,15 @@ def _calls(d: int, T: int, heads: int = 4):
             hand_off()
 
     def without(*switches):
-        # kernels() with module switches, (module, name) pairs, turned off for the call and restored after it
+        # kernels() with the backend's settings of these names off for the call (plan.override)
         def run():
-            saved = [getattr(module, name) for module, name in switches]
-            for module, name in switches:
-                setattr(module, name, False)
-            try:
+            with plan.override(**dict.fromkeys(switches, False)):
                 kernels()
-            finally:
-                for (module, name), value in zip(switches, saved):
-                    setattr(module, name, value)
         return run
 
     return {
-        "kernels, Triton's launch": without((_tiles, "FAST_LAUNCH"), (ops, "REPLAY")),
-        "kernels, launchers' host code": without((ops, "REPLAY")),
+        "kernels, Triton's launch": without("fast_launch", "replay"),
+        "kernels, launchers' host code": without("replay"),
         "kernels": kernels,
         "autograd Function": lambda: step(EagerLA2.apply(*leaves, l2, None, None, True)[0]),
         "custom op": lambda: step(la2_forward(*leaves, l2, None, None, True)[0]),

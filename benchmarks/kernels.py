@@ -59,17 +59,18 @@ KERNELS = ("_la2_fast_forward_kernel", "_tma_forward_kernel", "_la2_fast_dkdv_ke
 """The kernels the backend launches (ncu profiles only these)."""
 
 _CHILD = r"""
-import json, sys, torch
+import contextlib, json, sys, torch
 from lightning_edu import lightning_attention
 from lightning_edu.models.decay import head_decays
-from lightning_edu.triton_kernels import _tiles, ops
+from lightning_edu.triton_kernels import _tiles, ops, plan
 D, T = int(sys.argv[1]), int(sys.argv[2])
 B, H = max(1, 32768 // T), 16
 gen = torch.Generator(device="cuda").manual_seed(0)
 q, k, v, do = (torch.randn(B, H, T, D, device="cuda", generator=gen).bfloat16() / 4 for _ in range(4))
 decay = torch.tensor(head_decays(H), dtype=torch.float32, device="cuda")
 leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-ops.REPLAY = False  # every launch through _tiles.launch, where it is noted; the same compiled kernels run
+settings = contextlib.ExitStack()  # the whole child runs with replay off: every launch through _tiles.launch,
+settings.enter_context(plan.override(replay=False))  # where it is noted
 launches, where = [], ["forward"]
 fast_launch = _tiles._fast_launch
 def noted(kernel, grid, *args, **meta):

@@ -4,7 +4,7 @@ state summed from its start (the order Algorithm 1 walks) or from its end, on a 
     python -m benchmarks.prepass OUT.json
 
 bf16, 16 heads, d in {64, 128}, B = max(1, 32768 / T) sequences of T in {8K, 32K, 128K} tokens (32K tokens per
-call), the benchmark's per-head decays. The two orders, :data:`~lightning_edu.triton_kernels.la2_fast.PREPASS_TAIL_FIRST`
+call), the benchmark's per-head decays. The two orders, the backend's setting ``prepass_tail_first`` (``plan.override``)
 False and True, are timed in interleaved rounds, each time with the backend's launches planned afresh:
 
 - ``fwd_ms``: the forward with no backward to follow (:func:`~lightning_edu.triton_kernels.ops.forward_impl`),
@@ -46,28 +46,21 @@ def main(argv=None) -> int:
     import torch
     from triton.testing import do_bench, do_bench_cudagraph
 
-    from lightning_edu.triton_kernels import la2_fast, ops
+    from lightning_edu.triton_kernels import ops
 
     argv = sys.argv[1:] if argv is None else argv
     record = start_record(argv, __doc__, "prepass")
     if isinstance(record, int):
         return record
     log2_decay = torch.tensor(np.log2(head_decays(HEADS)), dtype=torch.float32, device="cuda")
-    default = la2_fast.PREPASS_TAIL_FIRST
-
-    def use(order):  # the pre-pass's order, with the calls' launches planned afresh under it
-        la2_fast.PREPASS_TAIL_FIRST = order
-        ops.forget_plans()
-
     for d, t in SHAPES:
         batch = max(1, 32768 // t)
         q, k, v, do = inputs(batch, t, d)
         fwd, fwdbwd = backend_calls(q, k, v, do, log2_decay)
-        times, outs = time_two_ways(use, {"fwd_ms": lambda: do_bench(fwd, return_mode="median"),
+        times, outs = time_two_ways("prepass_tail_first", {"fwd_ms": lambda: do_bench(fwd, return_mode="median"),
                                           "fwd_graph_ms": lambda: do_bench_cudagraph(fwd, return_mode="median"),
                                           "fwdbwd_ms": lambda: do_bench(fwdbwd, return_mode="median")},
                                     first=lambda: (fwd(), *fwdbwd()[1:]))
-        use(default)
         fwd_floor, fb_floor = floors_ms(batch, t, d, record["copy_bandwidth_bytes_per_s"])
         row = {"D": d, "T": t, "batch": batch, "segments": ops.launch_plan(q, v, None, False)[2],
                "rel_diff": _rel_diff(outs[True], outs[False])}

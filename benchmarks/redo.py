@@ -6,7 +6,7 @@ right after its sweep, on a GPU. (Chapter 07.)
 bf16, 16 heads, d = 64 (the head dim whose kernels redo in place:
 :func:`~lightning_edu.triton_kernels._tiles.redo_in_place`), B = max(1, 32768 / T) sequences of T in {2K, 8K, 32K}
 tokens (32K tokens per call; 16 x 2K), the benchmark's per-head decays. The two ways,
-:data:`~lightning_edu.triton_kernels._tiles.EXACT_IN_PLACE` False and True, are timed in interleaved rounds
+the backend's setting ``exact_in_place`` False and True (``plan.override``), are timed in interleaved rounds
 (:mod:`.two_ways`), nine of each (:data:`ROUNDS`), each time with the backend's launches planned afresh:
 
 - ``fwd_ms`` / ``fwd_graph_ms``: the forward with no backward to follow
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from triton.testing import do_bench, do_bench_cudagraph
 
     from lightning_edu import lightning_attention
-    from lightning_edu.triton_kernels import _tiles, ops
+    from lightning_edu.triton_kernels import ops
 
     argv = sys.argv[1:] if argv is None else argv
     record = start_record(argv, __doc__, "redo", ROUNDS)
@@ -56,47 +56,38 @@ def main(argv=None) -> int:
         return record
     decay = torch.tensor(head_decays(HEADS), dtype=torch.float32, device="cuda")
     log2_decay = torch.tensor(np.log2(head_decays(HEADS)), dtype=torch.float32, device="cuda")
-    default = _tiles.EXACT_IN_PLACE
+    for d, t, batch in SHAPES:
+        q, k, v, do = inputs(batch, t, d)
+        fwd, fwdbwd = backend_calls(q, k, v, do, log2_decay)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
 
-    def use(in_place):  # where the exact pass runs, with the calls' launches planned afresh
-        _tiles.EXACT_IN_PLACE = in_place
-        ops.forget_plans()
+        def user():
+            lightning_attention(*leaves, decay, backend="triton").backward(do)
+            for x in leaves:
+                x.grad = None
 
-    try:
-        for d, t, batch in SHAPES:
-            q, k, v, do = inputs(batch, t, d)
-            fwd, fwdbwd = backend_calls(q, k, v, do, log2_decay)
-            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-
-            def user():
-                lightning_attention(*leaves, decay, backend="triton").backward(do)
-                for x in leaves:
-                    x.grad = None
-
-            times, firsts = time_two_ways(use, {
-                "fwd_ms": lambda: do_bench(fwd, return_mode="median"),
-                "fwd_graph_ms": lambda: do_bench_cudagraph(fwd, return_mode="median"),
-                "fwdbwd_ms": lambda: do_bench(fwdbwd, return_mode="median"),
-                "fwdbwd_graph_ms": lambda: do_bench_cudagraph(fwdbwd, return_mode="median"),
-                "user_ms": lambda: do_bench(user, return_mode="median"),
-            }, first=lambda: (fwdbwd(), ops.recorded_launches()), rounds=ROUNDS)
-            fwd_floor, fb_floor = floors_ms(batch, t, d, record["copy_bandwidth_bytes_per_s"])
-            row = {"D": d, "T": t, "batch": batch,
-                   "same_bits": all(torch.equal(a, b) for a, b in zip(firsts[False][0], firsts[True][0]))}
-            for way, name in ((False, "own_launch"), (True, "in_place")):
-                row[name] = {**summary(times[way], {"fwd_floor_frac": ("fwd_ms", fwd_floor),
-                                                    "fwdbwd_floor_frac": ("fwdbwd_ms", fb_floor),
-                                                    "user_floor_frac": ("user_ms", fb_floor)}),
-                             "launches": firsts[way][1]}
-            a, b = row["own_launch"], row["in_place"]
-            print(f"d={d} T={t}: launches {a['launches']} -> {b['launches']}; fwd {a['fwd_ms']:.4f} -> "
-                  f"{b['fwd_ms']:.4f} ms, f+b {a['fwdbwd_ms']:.4f} -> {b['fwdbwd_ms']:.4f} (graph "
-                  f"{a['fwdbwd_graph_ms']:.4f} -> {b['fwdbwd_graph_ms']:.4f}), user {a['user_ms']:.4f} -> "
-                  f"{b['user_ms']:.4f}; same bits {row['same_bits']}", flush=True)
-            record["results"].append(row)
-            save_record(argv[0], record)
-    finally:
-        use(default)
+        times, firsts = time_two_ways("exact_in_place", {
+            "fwd_ms": lambda: do_bench(fwd, return_mode="median"),
+            "fwd_graph_ms": lambda: do_bench_cudagraph(fwd, return_mode="median"),
+            "fwdbwd_ms": lambda: do_bench(fwdbwd, return_mode="median"),
+            "fwdbwd_graph_ms": lambda: do_bench_cudagraph(fwdbwd, return_mode="median"),
+            "user_ms": lambda: do_bench(user, return_mode="median"),
+        }, first=lambda: (fwdbwd(), ops.recorded_launches()), rounds=ROUNDS)
+        fwd_floor, fb_floor = floors_ms(batch, t, d, record["copy_bandwidth_bytes_per_s"])
+        row = {"D": d, "T": t, "batch": batch,
+               "same_bits": all(torch.equal(a, b) for a, b in zip(firsts[False][0], firsts[True][0]))}
+        for way, name in ((False, "own_launch"), (True, "in_place")):
+            row[name] = {**summary(times[way], {"fwd_floor_frac": ("fwd_ms", fwd_floor),
+                                                "fwdbwd_floor_frac": ("fwdbwd_ms", fb_floor),
+                                                "user_floor_frac": ("user_ms", fb_floor)}),
+                         "launches": firsts[way][1]}
+        a, b = row["own_launch"], row["in_place"]
+        print(f"d={d} T={t}: launches {a['launches']} -> {b['launches']}; fwd {a['fwd_ms']:.4f} -> "
+              f"{b['fwd_ms']:.4f} ms, f+b {a['fwdbwd_ms']:.4f} -> {b['fwdbwd_ms']:.4f} (graph "
+              f"{a['fwdbwd_graph_ms']:.4f} -> {b['fwdbwd_graph_ms']:.4f}), user {a['user_ms']:.4f} -> "
+              f"{b['user_ms']:.4f}; same bits {row['same_bits']}", flush=True)
+        record["results"].append(row)
+        save_record(argv[0], record)
     return 0
 
 

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     from triton.testing import do_bench_cudagraph
 
     from lightning_edu.triton_kernels import ops
-    from lightning_edu.triton_kernels.la2_fast import WHOLE_DV
+    from lightning_edu.triton_kernels.plan import WHOLE_DV
     from lightning_edu.triton_kernels.la2_tma import la2_tma_forward
 
     argv = sys.argv[1:] if argv is None else argv

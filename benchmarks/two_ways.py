@@ -56,19 +56,22 @@ def floors_ms(batch: int, t: int, d: int, bandwidth: float) -> tuple[float, floa
     return fwd / bandwidth * 1e3, (fwd + hbm_floor_bytes(batch, t, HEADS, d, backward=True)) / bandwidth * 1e3
 
 
-def time_two_ways(use, timed: dict, first=None, rounds: int = ROUNDS) -> tuple[dict, dict]:
-    """({way: {name: [ms, one per round]}}, {way: first()}) for way in (False, True): each round calls ``use(way)``
-    (the switch, the plans forgotten), then ``first()`` when given (its last result is kept, say the outputs to
-    compare), then every ``timed[name]()``, which returns milliseconds."""
+def time_two_ways(setting: str, timed: dict, first=None, rounds: int = ROUNDS) -> tuple[dict, dict]:
+    """({way: {name: [ms, one per round]}}, {way: first()}) for way in (False, True): each round runs, under
+    ``plan.override(setting=way)`` (the backend's :class:`~lightning_edu.triton_kernels.plan.Settings`, whose every
+    value is part of the key its launch plans are filed under), ``first()`` when given (its last result is kept, say
+    the outputs to compare), then every ``timed[name]()``, which returns milliseconds."""
+    from lightning_edu.triton_kernels import plan
+
     times = {way: {name: [] for name in timed} for way in (False, True)}
     firsts = {}
     for _ in range(rounds):
         for way in (False, True):
-            use(way)
-            if first is not None:
-                firsts[way] = first()
-            for name, measure in timed.items():
-                times[way][name].append(measure())
+            with plan.override(**{setting: way}):
+                if first is not None:
+                    firsts[way] = first()
+                for name, measure in timed.items():
+                    times[way][name].append(measure())
     return times, firsts
 
 

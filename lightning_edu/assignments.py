@@ -42,16 +42,8 @@ from pathlib import Path
 import nbformat
 
 __all__ = [
-    "NotNormalisable",
-    "Exercise",
-    "exercises",
-    "normalise",
-    "normalise_file",
-    "problems",
-    "points_table",
-    "student_source",
-    "layout_course",
-    "CONFIG_TEMPLATE",
+    "NotNormalisable", "Exercise", "exercises", "normalise", "problems", "points_table", "student_source",
+    "layout_course", "CONFIG_TEMPLATE",
 ]
 
 BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["to_numpy", "relative_error", "max_abs_difference", "cmp", "random_qkv"]
+__all__ = ["to_numpy", "relative_error", "cmp", "random_qkv"]
 
 
 def to_numpy(x) -> np.ndarray:

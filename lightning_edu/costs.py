@@ -39,17 +39,9 @@ from dataclasses import dataclass
 from .validation import check_finite_scalar, validate_choice, validate_positive_int
 
 __all__ = [
-    "ALGORITHMS",
-    "Cost",
-    "Hardware",
-    "attention_cost",
-    "block_size_sweep",
-    "modelled_time",
-    "la1_cost",
-    "la3_cost",
-    "one_pass_balance",
-    "optimal_block_size",
-    "hbm_floor_bytes", "MODEL", "CONTEXTS", "MEMORY_CONTEXTS", "kv_cache_bytes", "state_bytes", "step_floor_bytes", "memory_table",
+    "Cost", "Hardware", "attention_cost", "block_size_sweep", "modelled_time", "la1_cost", "la3_cost",
+    "one_pass_balance", "optimal_block_size", "hbm_floor_bytes", "MODEL", "CONTEXTS", "MEMORY_CONTEXTS",
+    "kv_cache_bytes", "state_bytes", "step_floor_bytes", "memory_table",
 ]
 
 ALGORITHMS = ("masked", "recurrent", "blockwise")

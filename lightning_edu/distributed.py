@@ -66,7 +66,7 @@ from .torch_chunked import _powers  # lambda^n per head, in float64, rounded onc
 from .torch_chunked import first_derivative_only
 from .validation import validate_attention_args, validate_choice, validate_flag, validate_positive_int
 
-__all__ = ["EXCHANGES", "sequence_parallel_attention", "communication_bytes", "run_on_cpu_ranks"]
+__all__ = ["sequence_parallel_attention", "communication_bytes", "run_on_cpu_ranks"]
 
 EXCHANGES = ("allgather", "ring")
 """The two ways to move the states: one all-gather of every rank's state, or a ring of send/recv."""

@@ -33,13 +33,10 @@ from .numpy_reference import decay_mask
 from .validation import validate_attention_args, validate_block_size, validate_choice, validate_decay
 
 __all__ = [
-    "EXPLAINER_MEMORY_TABLE",
-    "explainer_memory_table",
-    "autograd_gradients", "finite_difference_gradients",
-    "eq11_eq12_token_gradients", "eq13_dkv_definition", "eq20_dkv_recursion", "eq20_dkv_recursion_corrected",
-    "dq_eq15", "dk_eq16", "dk_eq17", "dv_eq18_literal", "dv_eq18", "dv_eq19", "algorithm2",
-    "la3_forward", "la3_backward", "la3_current_buffer_table", "la3_micro_buffer_table",
-    "Erratum", "ERRATA", "evidence",
+    "explainer_memory_table", "autograd_gradients", "finite_difference_gradients", "eq11_eq12_token_gradients",
+    "eq13_dkv_definition", "eq20_dkv_recursion", "eq20_dkv_recursion_corrected", "dq_eq15", "dk_eq16", "dk_eq17",
+    "dv_eq18_literal", "dv_eq18", "dv_eq19", "algorithm2", "la3_backward", "la3_current_buffer_table",
+    "la3_micro_buffer_table", "ERRATA", "evidence",
 ]
 
 

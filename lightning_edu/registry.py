@@ -41,8 +41,9 @@ from typing import Any, Callable, Mapping
 
 from .validation import AttentionArgs, StepArgs, validate_head_dims, validate_kernel_dtype
 
-__all__ = ["Implementation", "IMPLEMENTATIONS", "register", "get", "backend_for", "by_rung", "check_supports",
-           "RUNGS", "OPS", "TOLERANCES"]
+__all__ = [
+    "Implementation", "IMPLEMENTATIONS", "register", "get", "backend_for", "check_supports", "RUNGS", "TOLERANCES",
+]
 
 RUNGS = ("numpy", "torch", "triton")
 OPS = ("attention", "step")  # a whole sequence (lightning_attention), one decoding step (lightning_attention_step)

@@ -23,7 +23,7 @@ import torch
 from . import torch_chunked as tc
 from .measure import peak_memory_torch, time_samples
 
-__all__ = ["METHODS", "sweep_inputs", "run_form", "sweep_forms", "sweep_block_sizes", "headline_benchmark"]
+__all__ = ["METHODS", "sweep_inputs", "sweep_forms", "sweep_block_sizes", "headline_benchmark"]
 
 METHODS = ("masked", "softmax", "loop", "chunked", "recurrent")
 

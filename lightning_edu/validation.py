@@ -18,10 +18,9 @@ import numpy as np
 BACKENDS = ("auto", "numpy", "torch", "triton")
 
 __all__ = [
-    "BACKENDS", "KERNEL_DTYPES", "AttentionArgs", "StepArgs", "validate_attention_args", "validate_step_args",
-    "validate_cu_seqlens", "validate_decay", "device_decay", "validate_block_size",
-    "validate_flag", "validate_choice", "validate_int", "validate_positive_int", "validate_kernel_dtype", "validate_head_dims",
-    "check_finite_scalar",
+    "BACKENDS", "AttentionArgs", "StepArgs", "validate_attention_args", "validate_step_args", "validate_cu_seqlens",
+    "validate_decay", "device_decay", "validate_block_size", "validate_flag", "validate_choice", "validate_int",
+    "validate_positive_int", "validate_kernel_dtype", "validate_head_dims", "check_finite_scalar",
 ]
 
 

@@ -292,14 +292,16 @@ def test_run_tiny_interleaves_its_methods_in_rounds(monkeypatch):
 
 
 def test_two_ways_interleaves_its_rounds_and_summarises_each_way():
-    # perf.prepass and perf.redo time a setting off and on in turn: off, on, off, on, ...; each way's entry holds
-    # the median, the rounds and the floor over the median.
+    # benchmarks.prepass and benchmarks.redo time a setting off and on in turn: off, on, off, on, ...; each way's
+    # entry holds the median, the rounds and the floor over the median; the setting is back as it was after.
     from benchmarks.two_ways import summary, time_two_ways
+    from lightning_edu.triton_kernels import plan
 
-    switched, way = [], {}
-    times, firsts = time_two_ways(lambda on: switched.append(on) or way.update(on=on),
-                                  {"a_ms": lambda: 2.0 if way["on"] else 4.0}, first=lambda: way["on"], rounds=3)
-    assert switched == [False, True] * 3
+    switched = []
+    times, firsts = time_two_ways("prepass_tail_first", {"a_ms": lambda: 2.0 if plan.settings().prepass_tail_first else 4.0},
+                                  first=lambda: switched.append(plan.settings().prepass_tail_first) or switched[-1],
+                                  rounds=3)
+    assert switched == [False, True] * 3 and plan.settings() == plan.Settings()
     assert times == {False: {"a_ms": [4.0] * 3}, True: {"a_ms": [2.0] * 3}} and firsts == {False: False, True: True}
     assert summary({"a_ms": [1.0, 3.0, 2.0]}, {"a_frac": ("a_ms", 1.0)}) == {
         "a_ms": 2.0, "a_ms_rounds": [1.0, 3.0, 2.0], "a_frac": 0.5}

@@ -14,6 +14,7 @@ from kernel_cases import marks, on
 
 from benchmarks import first_call
 from lightning_edu.triton_kernels import _tiles, ops
+from lightning_edu.triton_kernels.plan import override, redo_in_place
 
 
 class _Kernel:
@@ -136,7 +137,7 @@ def test_the_ahead_pass_makes_the_launches_of_a_forward_and_backward(dtype, d_k,
     ops._first_call(q.detach(), k.detach(), v.detach(), log2_decay, s0.detach(), None, True,
                     ops.launch_plan(q, v)[2])
     # the forward, the dQ pass and the dK/dV pass(es), each followed by its exact pass unless that runs in place
-    assert len(launches["real"]) >= (3 if _tiles.redo_in_place(dtype, d_k, d_v) else 6)
+    assert len(launches["real"]) >= (3 if redo_in_place(dtype, d_k, d_v) else 6)
     assert sorted(launches["ahead"], key=repr) == sorted(launches["real"], key=repr)
 
 
@@ -183,12 +184,12 @@ def test_the_fast_launch_key_separates_what_triton_specialises_on():
 
 
 def test_launch_takes_the_fast_path_only_for_compiled_kernels(monkeypatch):
-    """A stand-in (or an interpreted function) is launched as ``kernel[grid]``; with FAST_LAUNCH off, so is every
-    kernel."""
+    """A stand-in (or an interpreted function) is launched as ``kernel[grid]``; with the setting fast_launch off, so
+    is every kernel."""
     kernel = _Kernel()
     assert not isinstance(_tiles.launch(kernel, (1,)), functools.partial)
-    monkeypatch.setattr(_tiles, "FAST_LAUNCH", False)
-    _tiles.launch(kernel, (1,))(3)
+    with override(fast_launch=False):
+        _tiles.launch(kernel, (1,))(3)
     assert kernel.calls == [("launch", (1,), (3,), {})]
 
 
@@ -213,9 +214,8 @@ def test_the_fast_launch_gives_the_bits_of_tritons_launch(device, monkeypatch):
 
     for shape, dtype in (((1, 4, 256, 64, 64), torch.bfloat16), ((2, 3, 1000, 128, 128), torch.bfloat16),
                          ((1, 2, 333, 64, 32), torch.float16), ((1, 2, 300, 32, 48), torch.float32)):
-        monkeypatch.setattr(_tiles, "FAST_LAUNCH", False)
-        want = run(shape, dtype)
-        monkeypatch.setattr(_tiles, "FAST_LAUNCH", True)
+        with override(fast_launch=False):
+            want = run(shape, dtype)
         run(shape, dtype)
         before = len(_tiles._LAUNCHED)
         got = run(shape, dtype)

@@ -177,7 +177,7 @@ KERNELS = {
     "la2_fast": _variant_runner("la2_fast", seg_len=16),  # several segments: the Horner start is exercised
     "la2_fast fused dK/dV": _variant_runner("la2_fast", seg_len=32, fused_dkdv=True),
     "la3": _variant_runner("la3", seg_len=32, chunk=32, micro=16),  # two micro-chunks per chunk, several segments
-    # 16-bit tiles: the flagged programs are redone in the fast kernel itself (_tiles.redo_in_place)
+    # 16-bit tiles: the flagged programs are redone in the fast kernel itself (plan.redo_in_place)
     "la2_fast fp16": _variant_runner("la2_fast", torch.float16, seg_len=16),
     "la3 fp16": _variant_runner("la3", torch.float16, seg_len=32, chunk=32, micro=16),
     "one pass, look-back": _one_pass_runner(True),  # forward only
@@ -263,7 +263,8 @@ def test_issue_example_later_nan_leaves_earlier_rows_alone():
     (torch.float16, 96, False),   # a 96 (padded 128) x 64 state: too large to redo in place
 ])
 def test_the_exact_pass_runs_in_place_only_where_redo_in_place_says(dtype, d, in_place, monkeypatch):
-    from lightning_edu.triton_kernels import _tiles, la2_fast, la3, ops
+    from lightning_edu.triton_kernels import la2_fast, la3, ops
+    from lightning_edu.triton_kernels.plan import redo_in_place
 
     seen = []  # (kernel, SAFE, REDO) of every launch of one forward + backward through the backend
     for module in (la2_fast, la3):
@@ -278,7 +279,7 @@ def test_the_exact_pass_runs_in_place_only_where_redo_in_place_says(dtype, d, in
     ops.forget_plans()  # no replay: every launcher runs
     q, k, v = (torch.randn(1, 2, 40, d, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(3))
     lightning_attention(q, k, v, [0.9, 0.5], backend="triton", block_size=16).sum().backward()
-    assert _tiles.redo_in_place(dtype, d, min(d, 64)) == in_place
+    assert redo_in_place(dtype, d, min(d, 64)) == in_place
     fast = [(name, redo) for name, safe, redo in seen if not safe and "segment_state" not in name]
     exact = [name for name, safe, _ in seen if safe]
     assert len(fast) >= 3, seen  # the forward, the dQ pass and the dK/dV pass(es)

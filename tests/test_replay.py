@@ -12,6 +12,7 @@ import triton
 from kernel_cases import cases, kernel_inputs
 
 from lightning_edu.triton_kernels import _tiles, log2_decay_tensor, ops
+from lightning_edu.triton_kernels import plan as kernel_plan
 
 SHAPES = {
     "cpu": [((1, 2, 77, 16, 32), torch.float32), ((2, 1, 130, 32, 16), torch.float16), ((1, 3, 5, 16, 16), torch.float32)],
@@ -43,10 +44,9 @@ def _same(a, b):
 @cases("shape,dtype", SHAPES)
 def test_a_replayed_call_gives_the_bits_of_its_launchers(device, shape, dtype, monkeypatch):
     q, k, v, do, l2 = _inputs(shape, dtype, device)
-    monkeypatch.setattr(ops, "REPLAY", False)
-    want = _call(q, k, v, do, l2)
+    with kernel_plan.override(replay=False):
+        want = _call(q, k, v, do, l2)
     assert not ops._FORWARD_PLANS and not ops._BACKWARD_PLANS
-    monkeypatch.setattr(ops, "REPLAY", True)
     first = _call(q, k, v, do, l2)  # records
     assert len(ops._FORWARD_PLANS) == len(ops._BACKWARD_PLANS) == 1
     assert all(plan is not None for plan in (*ops._FORWARD_PLANS.values(), *ops._BACKWARD_PLANS.values()))
@@ -59,29 +59,27 @@ def test_a_replayed_call_gives_the_bits_of_its_launchers(device, shape, dtype, m
     again = _call(q2, k2, v2, do2, l2)
     assert not planned  # no host code of the launchers ran
     monkeypatch.setattr(ops, "launch_plan", real_plan)
-    monkeypatch.setattr(ops, "REPLAY", False)
-    assert _same(first, want) and _same(again, _call(q2, k2, v2, do2, l2))
+    with kernel_plan.override(replay=False):
+        assert _same(first, want) and _same(again, _call(q2, k2, v2, do2, l2))
     assert again[0].isnan().any() and not again[0][:, :, : shape[2] // 2].isnan().any()  # causal
 
 
 @cases("shape,dtype", {"cuda": [((2, 3, 1000, 128, 128), torch.bfloat16), ((1, 2, 777, 128, 96), torch.float16)]})
 def test_a_replayed_call_with_descriptor_tiles_gives_the_bits_of_its_launchers(device, shape, dtype, monkeypatch):
-    # The forward and dQ pass through la2_tma's descriptors (la2_tma.MIN_ROWS lowered so that these short calls take
+    # The forward and dQ pass through la2_tma's descriptors (kernel_plan.MIN_ROWS lowered so that these short calls take
     # them): each replay builds its descriptors on the replay's tensors and calls the compiled launchers directly.
-    from lightning_edu.triton_kernels import la2_tma
-
-    monkeypatch.setattr(la2_tma, "MIN_ROWS", 0)
+    monkeypatch.setattr(kernel_plan, "MIN_ROWS", 0)
     q, k, v, do, l2 = _inputs(shape, dtype, device)
-    assert la2_tma.backend_takes(q, v) == (torch.cuda.get_device_capability() >= (9, 0))
+    assert kernel_plan.backend_takes(q, v) == (torch.cuda.get_device_capability() >= (9, 0))
     first = _call(q, k, v, do, l2)  # records
     plans = [*ops._FORWARD_PLANS.values(), *ops._BACKWARD_PLANS.values()]
     assert len(plans) == 2 and all(plan is not None and plan._direct is not None for plan in plans)
-    if la2_tma.backend_takes(q, v):  # a descriptor in the forward's plan and in the backward's (dQ)
+    if kernel_plan.backend_takes(q, v):  # a descriptor in the forward's plan and in the backward's (dQ)
         assert all(any(kind == 3 for _, template in plan.launches for kind, _ in template) for plan in plans)
     q2, k2, v2, do2, _ = _inputs(shape, dtype, device, seed=1)
     again = _call(q2, k2, v2, do2, l2)  # replayed
-    monkeypatch.setattr(ops, "REPLAY", False)
-    assert _same(again, _call(q2, k2, v2, do2, l2)) and _same(first, _call(q, k, v, do, l2))
+    with kernel_plan.override(replay=False):
+        assert _same(again, _call(q2, k2, v2, do2, l2)) and _same(first, _call(q, k, v, do, l2))
 
 
 @cases("mode", {"cpu": ["inference_mode", "no_grad"], "cuda": ["inference_mode"]})
@@ -91,8 +89,8 @@ def test_calls_under_inference_mode_record_and_replay(device, mode, monkeypatch)
     context = torch.inference_mode if mode == "inference_mode" else torch.no_grad
     with context():
         outs = [ops.forward_impl(q, k, v, l2, None, None, False) for _ in range(3)]
-        monkeypatch.setattr(ops, "REPLAY", False)
-        want = ops.forward_impl(q, k, v, l2, None, None, False)
+        with kernel_plan.override(replay=False):
+            want = ops.forward_impl(q, k, v, l2, None, None, False)
     assert [plan is not None for plan in ops._FORWARD_PLANS.values()] == [True]
     assert all(_same(out, want) for out in outs)
 

@@ -10,8 +10,8 @@ from kernel_cases import cases, kernel_inputs, to_numpy64
 import lightning_edu as le
 from lightning_edu import triton_kernels
 from lightning_edu.checks import relative_error
-from lightning_edu.triton_kernels import kernel_config
-from lightning_edu.triton_kernels.la2_fast import SLICE, choose_segments, prepass_tiles, sliced_forward, value_slices
+from lightning_edu.triton_kernels import kernel_config, plan
+from lightning_edu.triton_kernels.plan import SLICE, choose_segments, prepass_tiles, sliced_forward, value_slices
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -63,8 +63,7 @@ def test_dtype_must_be_a_torch_float_dtype(dtype):
 
 def test_backend_is_right_with_fp32_tiles_at_d_96(monkeypatch):
     seen = []
-    monkeypatch.setattr(triton_kernels, "kernel_config", lambda *a, **kw: seen.append(kernel_config(*a, **kw))
-                        or seen[-1])
+    monkeypatch.setattr(plan, "kernel_config", lambda *a, **kw: seen.append(kernel_config(*a, **kw)) or seen[-1])
     rng = np.random.default_rng(0)
     q, k = (rng.standard_normal((1, 2, 70, 96)) for _ in range(2))
     v, do = (rng.standard_normal((1, 2, 70, 40)) for _ in range(2))
@@ -186,7 +185,7 @@ def test_fp32_cuts_d_v_into_64_column_slices_at_every_pair_count():
 
 
 def test_a_short_sequence_is_one_segment_on_a_gpu_only():
-    from lightning_edu.triton_kernels.la2_fast import SHORT_BLOCKS, short_blocks
+    from lightning_edu.triton_kernels.plan import SHORT_BLOCKS, short_blocks
 
     assert short_blocks(torch.device("cuda")) == SHORT_BLOCKS == 4 and short_blocks(torch.device("cpu")) == 0
     for n in (1, 100, 256):  # up to 4 blocks of 64: one segment, no pre-pass

@@ -225,7 +225,7 @@ def test_one_segment_saves_nothing(device):
     "cuda": [((4, 16, 1000, 128, 128), torch.bfloat16), ((4, 16, 1000, 64, 64), torch.bfloat16)],  # the public call's
 })
 def test_a_forward_as_one_segment_of_32_column_slices(device, shape, dtype):
-    """la2_fast.sliced_forward's plan: with no backward to follow, d_v in 32-column slices and no pre-pass."""
+    """plan.sliced_forward's plan: with no backward to follow, d_v in 32-column slices and no pre-pass."""
     from lightning_edu.triton_kernels import ops
     from lightning_edu.triton_kernels.la2_fast import backend_tiles, la2_fast_forward, sliced_plan
 
@@ -276,9 +276,10 @@ def test_log2_decay_is_built_once_per_device_and_values():
 def test_the_prepass_sums_each_segment_in_either_order(device, monkeypatch, reverse):
     # Each segment's local state, sum over its positions p (in processing order) of lambda^(end-1-p) k_p^T v_p,
     # against float64, with the pre-pass summing from the segment's start (Horner) and from its end
-    # (la2_fast.PREPASS_TAIL_FIRST); float16 sums from the start whatever the setting (its operands would lose
+    # (the setting prepass_tail_first); float16 sums from the start whatever the setting (its operands would lose
     # the small powers), so both settings give it the same bits.
     from lightning_edu.triton_kernels import la2_fast
+    from lightning_edu.triton_kernels.plan import override
 
     heads, n, d_k, d_v, block, seg_len = 2, 100, 16, 32, 16, 48
     lam = np.array([0.93, 0.3])
@@ -288,9 +289,9 @@ def test_the_prepass_sums_each_segment_in_either_order(device, monkeypatch, reve
     num_seg = -(-n // seg_len)
 
     def states(dtype, tail_first):
-        monkeypatch.setattr(la2_fast, "PREPASS_TAIL_FIRST", tail_first)
         seg = torch.zeros(heads, num_seg, d_k, d_v)
-        la2_fast.segment_states(k.to(dtype), v.to(dtype), log2_decay, seg, seg_len, block, 32, 4, 2, reverse)
+        with override(prepass_tail_first=tail_first):
+            la2_fast.segment_states(k.to(dtype), v.to(dtype), log2_decay, seg, seg_len, block, 32, 4, 2, reverse)
         return seg[:, : num_seg - 1].double().numpy()  # the last segment's state is never needed, nor written
 
     k64, v64 = _np(k), _np(v)

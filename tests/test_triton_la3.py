@@ -20,7 +20,7 @@ import lightning_edu as le
 from lightning_edu.checks import random_qkv, relative_error
 from lightning_edu.numpy_blockwise import blockwise_backward
 from benchmarks.la3_sweep import TILES
-from lightning_edu.triton_kernels import backward_kernel, log2_decay_tensor
+from lightning_edu.triton_kernels import VARIANTS, backward_kernel, log2_decay_tensor
 from lightning_edu.triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
 from lightning_edu.triton_kernels.la3 import la3_backward, la3_dkdv, la3_tiles
 
@@ -77,10 +77,11 @@ def test_la3_backward_in_fp16_returns_fp16_within_its_bound(device):
 
 @on("cpu")
 def test_backend_uses_la3_for_16_bit_inputs_with_equal_head_dims_up_to_d64_and_its_gradients_are_right(device):
-    assert backward_kernel(64, 64, torch.bfloat16) is la3_backward
-    assert backward_kernel(64, 32, torch.float16) is la2_fast_backward  # la3 was measured at d_k = d_v only
-    assert backward_kernel(128, 64, torch.bfloat16) is la2_fast_backward
-    assert backward_kernel(64, 64, torch.float32) is la2_fast_backward
+    assert backward_kernel(64, 64, torch.bfloat16) == "la3"
+    assert backward_kernel(64, 32, torch.float16) == "la2_fast"  # la3 was measured at d_k = d_v only
+    assert backward_kernel(128, 64, torch.bfloat16) == "la2_fast"
+    assert backward_kernel(64, 64, torch.float32) == "la2_fast"
+    assert VARIANTS["la3"][1] is la3_backward and VARIANTS["la2_fast"][1] is la2_fast_backward
     q, k, v = random_qkv(1, 2, 70, 32, 32, seed=5)
     do = np.random.default_rng(6).standard_normal(v.shape)
     leaves = [torch.tensor(x, dtype=torch.float16, device=device).requires_grad_() for x in (q, k, v)]

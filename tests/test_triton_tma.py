@@ -11,7 +11,9 @@ from kernel_cases import to_numpy64 as _np
 from lightning_edu.checks import relative_error
 from lightning_edu.numpy_blockwise import blockwise_forward
 from lightning_edu.triton_kernels import log2_decay_tensor
-from lightning_edu.triton_kernels.la2_fast import backend_tiles, choose_segments, la2_fast_backward, la2_fast_forward
+from lightning_edu.triton_kernels import plan as kernel_plan
+from lightning_edu.triton_kernels.la2_fast import la2_fast_backward, la2_fast_forward
+from lightning_edu.triton_kernels.plan import backend_tiles, choose_segments
 from lightning_edu.triton_kernels.la2_tma import la2_tma_forward, tma_ready
 
 BOUNDS = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -102,11 +104,11 @@ def test_the_backends_passes_in_time_order_take_descriptor_tiles_bit_for_bit(dev
     # The forward (saving its incoming states, from an initial state) and the backward's dQ pass (reading them, or
     # with one segment none), their fast pass through descriptors (tma=True) or through pointers (tma=False): the
     # same bits.
-    from lightning_edu.triton_kernels import la2_tma
+    from lightning_edu.triton_kernels import la2_fast
 
     seen = []
-    real = la2_tma._tma_fast_pass
-    monkeypatch.setattr(la2_tma, "_tma_fast_pass", lambda grid, args, meta: seen.append(grid) or real(grid, args, meta))
+    real = la2_fast._tma_fast_pass
+    monkeypatch.setattr(la2_fast, "_tma_fast_pass", lambda grid, args, meta: seen.append(grid) or real(grid, args, meta))
     q, k, v, do, s0, _ = kernel_inputs(shape, device, dtype)
     l2 = log2_decay_tensor(np.array([1.0, 0.9, 0.05][:shape[1]] + [0.99] * max(0, shape[1] - 3)), device)
     runs = {}
@@ -124,12 +126,12 @@ def test_the_backends_passes_in_time_order_take_descriptor_tiles_bit_for_bit(dev
 @on("cpu")
 def test_the_backends_replayed_forward_rebuilds_its_descriptors(device, monkeypatch):
     # A launch plan of a forward with descriptor tiles: its replay on new inputs gives the launchers' bits.
-    from lightning_edu.triton_kernels import la2_tma, ops
+    from lightning_edu.triton_kernels import la2_fast, ops
 
-    monkeypatch.setattr(la2_tma, "backend_takes", lambda q, v: True)  # the interpreter's call, as a GPU's would be
+    monkeypatch.setattr(kernel_plan, "backend_takes", lambda q, v: True)  # the interpreter's call, as a GPU's would be
     seen = []
-    real = la2_tma._tma_fast_pass
-    monkeypatch.setattr(la2_tma, "_tma_fast_pass", lambda grid, args, meta: seen.append(args[0]) or real(grid, args, meta))
+    real = la2_fast._tma_fast_pass
+    monkeypatch.setattr(la2_fast, "_tma_fast_pass", lambda grid, args, meta: seen.append(args[0]) or real(grid, args, meta))
     l2 = log2_decay_tensor(np.array([0.9, 0.999]), device)
     first = kernel_inputs((1, 2, 130, 16, 32), device, torch.float32, seed=1)[:3]
     ops.forward_impl(*first, l2, None, 32, True)  # recorded
@@ -138,15 +140,15 @@ def test_the_backends_replayed_forward_rebuilds_its_descriptors(device, monkeypa
     q, k, v = kernel_inputs((1, 2, 130, 16, 32), device, torch.float32, seed=2)[:3]
     replayed = ops.forward_impl(q, k, v, l2, None, 32, True)
     assert len(seen) == 1  # replayed: no launcher ran
-    monkeypatch.setattr(ops, "REPLAY", False)
-    want = ops.forward_impl(q, k, v, l2, None, 32, True)
+    with kernel_plan.override(replay=False):
+        want = ops.forward_impl(q, k, v, l2, None, 32, True)
     assert len(seen) == 2 and seen[-1] is q
     assert all(torch.equal(a, b) for a, b in zip(replayed, want))
 
 
 @on("cuda")
 def test_the_backend_takes_descriptor_tiles_for_16_bit_heads_of_65_to_128_in_calls_of_many_rows(device):
-    from lightning_edu.triton_kernels.la2_tma import MIN_ROWS, backend_takes
+    from lightning_edu.triton_kernels.plan import MIN_ROWS, backend_takes
 
     def x(d, dtype=torch.bfloat16, rows=MIN_ROWS):
         return torch.empty(2, 4, rows // 8, d, device=device, dtype=dtype)
@@ -160,20 +162,20 @@ def test_the_backend_takes_descriptor_tiles_for_16_bit_heads_of_65_to_128_in_cal
 
 @on("cpu")
 def test_a_forward_with_no_backward_takes_d_v_whole_where_its_tiles_load_by_descriptor(device, monkeypatch):
-    # la2_fast.whole_dv_forward: the backend's plan (ops.launch_plan) and la2_fast_forward's own choice agree, only a
+    # plan.whole_dv_forward: the backend's plan (ops.launch_plan) and la2_fast_forward's own choice agree, only a
     # forward that saves no states takes it, and the answer is la2_fast's with the slices' tiles.
-    from lightning_edu.triton_kernels import la2_fast, la2_tma, ops
+    from lightning_edu.triton_kernels import la2_fast, ops
 
-    monkeypatch.setattr(la2_tma, "backend_takes", lambda q, v: True)  # as on a Hopper GPU, for a long call
+    monkeypatch.setattr(kernel_plan, "backend_takes", lambda q, v: True)  # as on a Hopper GPU, for a long call
     q, k, v, _, _, _ = kernel_inputs((1, 2, 70, 72, 80), device)
     l2 = log2_decay_tensor(np.array([0.9, 1.0]), device)
     cfg, seg_len, num_seg = ops.launch_plan(q, v, None, save_states=False)
-    assert {key: cfg[key] for key in la2_fast.WHOLE_DV} == la2_fast.WHOLE_DV
+    assert {key: cfg[key] for key in kernel_plan.WHOLE_DV} == kernel_plan.WHOLE_DV
     assert ops.launch_plan(q, v, None, save_states=True)[0]["block_dv"] == 64  # a backward follows: the slices
     # one program of these tiles per SM (WHOLE_DV_PER_SM): half the segments two per SM would give (4 SMs here)
-    sms, short = la2_fast._sm_count(q.device), la2_fast.short_blocks(q.device)
-    assert (num_seg, seg_len) == choose_segments(2, 70, cfg["block"], sms, None, short, la2_fast.WHOLE_DV_PER_SM)
-    assert la2_fast.whole_dv_plan(q, cfg["block"]) == (la2_fast.WHOLE_DV, num_seg, seg_len)
+    sms, short = kernel_plan.sm_count(q.device), kernel_plan.short_blocks(q.device)
+    assert (num_seg, seg_len) == choose_segments(2, 70, cfg["block"], sms, None, short, kernel_plan.WHOLE_DV_PER_SM)
+    assert kernel_plan.whole_dv_plan(q, cfg["block"]) == (kernel_plan.WHOLE_DV, num_seg, seg_len)
     assert num_seg < choose_segments(2, 70, cfg["block"], sms, None, short)[0]
     seen = []
     real = la2_fast._forward_form

@@ -31,10 +31,7 @@ from ..validation import validate_decay, validate_positive_int
 from .plots import color
 from .widgets import live_box
 
-__all__ = [
-    "BLOCK_SIZES", "DECAYS", "DIMS", "SEQ_LENS", "ExplorerNumbers", "explorer_numbers", "render_explorer",
-    "BlockExplorer", "explorer",
-]
+__all__ = ["BLOCK_SIZES", "DECAYS", "SEQ_LENS", "explorer_numbers", "render_explorer", "explorer"]
 
 BLOCK_SIZES = POWERS_OF_TWO  # 16 .. 1024
 # log-spaced in lambda below 0.1 and in 1 - lambda above 0.9: both ends matter

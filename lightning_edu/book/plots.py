@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-__all__ = ["METHOD_COLORS", "BENCH_STYLES", "color", "bench_style", "new_figure", "log_axes", "legend_outside"]
+__all__ = ["BENCH_STYLES", "color", "bench_style", "new_figure", "log_axes", "legend_outside"]
 
 # The same method keeps its colour in every chapter (Okabe-Ito palette: readable for colour-blind readers).
 METHOD_COLORS = {

@@ -23,7 +23,7 @@ import types
 
 from ._errors import ExerciseError, IntegrityError
 
-__all__ = ["IntegrityError", "scan", "guarded", "implementation_name", "resolve"]
+__all__ = ["IntegrityError", "scan", "guarded", "resolve"]
 
 _PACKAGE = "lightning_edu"
 # Modules a reader may call freely: comparisons, argument checks, the notebook helpers, measurement tools, and

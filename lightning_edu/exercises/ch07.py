@@ -12,7 +12,7 @@ random fp32 inputs of odd lengths and compares with the float64 numpy rung:
 * :func:`check_one_pass_balance` -- plain Python: the bytes a one-pass forward saves per segment, against
   ``costs.one_pass_balance``;
 * :func:`check_local_state_from_the_end` -- numpy: a segment's local state summed from its last block back to its
-  first, as the pre-pass can (``la2_fast.PREPASS_TAIL_FIRST``), against the float64 sum, the blocks' load order
+  first, as the pre-pass can (the setting ``prepass_tail_first`` of ``plan.Settings``), against the float64 sum, the blocks' load order
   recorded.
 
 Kernels receive fp32 tensors; tiles are >= 16 (the GPU rejects smaller ``tl.dot`` shapes).

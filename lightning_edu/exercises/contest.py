@@ -78,16 +78,8 @@ from . import _integrity
 from ._core import ExerciseError, exception_chain, exercise, passed, seeded
 
 __all__ = [
-    "STARTER",
-    "TOLERANCE",
-    "TIMING_SHAPES",
-    "check_forward_kernel",
-    "time_forward_kernel",
-    "load_submission",
-    "find_submissions",
-    "grade",
-    "leaderboard_markdown",
-    "main",
+    "STARTER", "TOLERANCE", "check_forward_kernel", "time_forward_kernel", "load_submission", "find_submissions",
+    "grade", "leaderboard_markdown", "main",
 ]
 
 # Largest |o - reference| in a (batch, head), over the largest |reference| in it, that passes.

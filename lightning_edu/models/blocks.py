@@ -50,8 +50,7 @@ from ..feature_maps import LearnedReLU2
 from ..validation import validate_decay, validate_int, validate_tokens
 from .decay import decay_schedule
 
-__all__ = ["ATTENTIONS", "MLPS", "SIZES", "RMSNorm", "SwiGLU", "Attention", "Block", "Decoder", "llama", "tnl",
-           "rope_tables", "apply_rope"]
+__all__ = ["ATTENTIONS", "MLPS", "SIZES", "RMSNorm", "SwiGLU", "Attention", "Block", "Decoder", "llama", "tnl"]
 
 ATTENTIONS = ("softmax", "lightning", "la1", "fla", "elu", "relu2", "hybrid")
 """The token mixers :class:`Attention` offers."""

@@ -31,7 +31,7 @@ Each kernel runs a fast pass that flags the programs where a non-finite value sh
 over those programs only (masks that select, a sanitised operand: see ``_tiles``). Against single-pass kernels
 the second pass costs little where a call is long; where a call is short (d <= 64) its extra launches weigh
 (chapter 07). So the backend's kernels with 16-bit tiles at d <= 64 run the exact pass in the fast kernel's own
-program, right after its sweep, when its flag is set (``_tiles.redo_in_place``): three launches fewer per
+program, right after its sweep, when its flag is set (``plan.redo_in_place``): three launches fewer per
 forward + backward.
 """
 
@@ -46,73 +46,13 @@ import torch
 from ..validation import device_decay
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
-from ._tiles import interpreted, sm_count
 from .la3 import la3_backward
+from .ops import EagerLA2, forward_impl, la2_backward, la2_forward
+from .plan import backward_kernel, kernel_config, tiles_for
 
 __all__ = ["VARIANTS", "triton_attention", "autograd_log2_decay",
            "la2_forward", "la2_backward", "kernel_config", "tiles_for", "backward_kernel",
            "log2_decay_tensor"]
-
-
-def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None = None,
-                  interpreter: bool = False, *, batch_heads: int | None = None, sms: int | None = None) -> dict:
-    """Tile sizes of the backend's kernels for head dims (d_k, d_v) and the dtype the tiles are loaded in, on a GPU
-    (or, with ``interpreter``, in Triton's CPU interpreter); given ``batch_heads`` (batch * heads) and ``sms`` (the
-    device's :func:`~._tiles.sm_count`), for that many (batch, head) pairs on that device.
-
-    16-bit tiles (chosen by chapter 07's bf16 tile sweep, ``bench --tune``: notebooks/data/tune_h200.json,
-    notebooks/data/tune_h100.json): 64-row blocks, or 32-row blocks when a head dim exceeds 128; three pipeline
-    stages up to d = 64, two above. d_v is cut into 64-column slices above d = 64 (two programs per (batch, head)
-    and segment at d = 128, each reading all of Q and K): with the segment count of
-    :func:`~.la2_fast.choose_segments` the slices beat d_v whole in the forward and the backward at every length
-    measured.
-
-    Unless the slices would not fit in one wave. Two programs of these kernels run on an SM at once; with more
-    (batch, head) pairs than SMs, 64-column slices need more than one wave of programs even as one segment, while
-    d_v whole fits in one (two programs per pair against one). There, for 64 < d <= 128, each
-    program takes d_v whole, with 8 warps (its d x d float32 state takes twice the registers of a slice's) and
-    3 stages, the fastest tiles of the sweep for that many pairs; where the slices fit in one wave they stay the
-    faster choice. Chapter 07 shows the measurements.
-
-    float32 takes 16-row blocks up to d = 128: its exact fp32 dots (``input_precision="ieee"``,
-    :func:`~._tiles.dot_precision`) run on the FMA units, not the tensor cores, and every product of a larger
-    tile is a longer unrolled sequence of multiply-adds that spills registers, which runs and compiles slower
-    (chapter 07); 4 warps and two stages up to d = 64, 8 warps and one stage above. Above d = 64 float32 cuts d_v
-    into 64-column slices, whatever the pair count: a 128 x 128 fp32 state on the FMA units is the spilling kind
-    of tile. Above d = 128 float32 keeps 32-row blocks, 64-column slices, 8 warps and two stages (not
-    measured). In the interpreter float32 takes larger blocks (64 rows up to d = 64, 32 above):
-    there a block's cost is per operation, not per element, and small blocks only mean more
-    of them. ``block_size`` overrides the rows.
-    The same tiles hold where the passes in time order load them through tensor descriptors
-    (:func:`~.la2_tma.backend_takes`), but for a forward with no backward to follow, which may take other tiles
-    (:func:`~.la2_fast.sliced_forward`, :func:`~.la2_fast.whole_dv_forward`).
-    Returns the keyword arguments of ``la2_fast_forward``/``la2_fast_backward``: block, block_dv,
-    num_warps, num_stages.
-    """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a torch floating-point dtype (e.g. torch.bfloat16), got {dtype!r}")
-    d = max(d_k, d_v)
-    if dtype != torch.float32:
-        if 64 < d <= 128 and batch_heads is not None and sms is not None and batch_heads > sms:
-            return dict(block=block_size or 64, block_dv=128, num_warps=8, num_stages=3)  # 2 slices: over a wave
-        return dict(block=block_size or (32 if d > 128 else 64), block_dv=64 if d > 64 else None, num_warps=4,
-                    num_stages=3 if d <= 64 else 2)
-    if d > 128:
-        return dict(block=block_size or 32, block_dv=64, num_warps=8, num_stages=2)
-    if interpreter:
-        block = 64 if d <= 64 else 32
-    else:
-        block = 16
-    return dict(block=block_size or block, block_dv=64 if d > 64 else None, num_warps=4 if d <= 64 else 8,
-                num_stages=2 if d <= 64 else 1)
-
-
-def tiles_for(q: torch.Tensor, v: torch.Tensor, block_size: int | None = None, dtype: torch.dtype | None = None) -> dict:
-    """:func:`kernel_config` for a call on tensors shaped like q (batch, heads, n, d_k) and v (..., d_v): the
-    backend's tiles for that many (batch, head) pairs on q's device (its SM count; Triton's interpreter or not),
-    loaded in ``dtype`` (q's unless given). Every launcher that runs the backend's kernels asks here."""
-    return kernel_config(q.shape[-1], v.shape[-1], dtype or q.dtype, block_size, interpreted(q),
-                         batch_heads=q.shape[0] * q.shape[1], sms=sm_count(q.device))
 
 
 # The Lightning Attention-2 variants share one signature: forward(q, k, v, log2_decay, initial_state, ...)
@@ -123,16 +63,6 @@ VARIANTS = {
     "la2_fast": (la2_fast_forward, la2_fast_backward),
     "la3": (la2_fast_forward, la3_backward),  # la2_fast's forward, the recompute-heavy backward
 }
-
-
-def backward_kernel(d_k: int, d_v: int, dtype: torch.dtype):
-    """The backend's backward: la3's (dK and dV in one reverse sweep) for 16-bit inputs with d_k = d_v <= 64,
-    la2_fast's (three reversed forwards) otherwise: la3's was the faster at d = 64 at every length measured, and
-    the slower at d = 128, where its d x d fp32 state spills registers (chapter 09, notebooks/data/la3_h100.json).
-    fp32 keeps la2_fast's: la3's fp32 tiles are the small, slow ones."""
-    if dtype in (torch.float16, torch.bfloat16) and d_k == d_v <= 64:  # measured at d_k = d_v only
-        return la3_backward
-    return la2_fast_backward
 
 
 _LOG2_DECAY: dict = {}  # (device, log2 values) -> the device tensor, built once
@@ -224,11 +154,9 @@ def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
     elif save:  # eager, plain tensors: the same code without the dispatcher's cost (:class:`.ops.EagerLA2`)
         o, sn, _ = EagerLA2.apply(q, k, v, log2_decay, initial_state, block_size, save)
     else:  # and with no gradient to follow, without the Function's either
-        o, sn, _ = ops.forward_impl(q, k, v, log2_decay, initial_state, block_size, save)
+        o, sn, _ = forward_impl(q, k, v, log2_decay, initial_state, block_size, save)
     return o, sn
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
-from . import ops  # noqa: E402
-from .ops import EagerLA2, la2_backward, la2_forward  # noqa: E402  (after kernel_config and backward_kernel, which it uses)

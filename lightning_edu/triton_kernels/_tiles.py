@@ -84,44 +84,18 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .plan import cdiv, interpreted, next_power_of_2, settings, sm_count
+
 __all__ = [
-    "launch", "FAST_LAUNCH", "launch_key", "LaunchPlan", "record_plan", "aligned", "dense", "compile_ahead", "cdiv", "next_power_of_2", "pad_dim", "dot_precision", "upcast_for_interpreter", "refuse_interpreted_bf16", "interpreted", "sm_count", "exact_pass_grid",
-    "head_start", "head_offset", "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
-    "clear_flag", "flag_nonfinite", "flagged_here", "EXACT_IN_PLACE",
-    "REDO_STATE", "redo_in_place",
+    "launch", "launch_key", "LaunchPlan", "record_plan", "aligned", "dense", "compile_ahead", "dot_precision",
+    "upcast_for_interpreter", "refuse_interpreted_bf16", "exact_pass_grid", "head_start", "head_offset",
+    "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
+    "clear_flag", "flag_nonfinite", "flagged_here",
 ]
 
 
 _AHEAD = contextvars.ContextVar("lightning_edu_compile_ahead", default=False)
 
-
-EXACT_IN_PLACE = True
-"""Whether the backend's pointer kernels (la2_fast's passes, la3's dK/dV) may redo a flagged program in the same
-program, right after its fast sweep (:func:`flagged_here`), instead of in an exact pass launched after them
-(:func:`redo_in_place` says where they do). Set it to False for the two launches of the module docstring."""
-
-REDO_STATE = 64 * 64
-"""The largest state tile (d_k x the d_v columns of one program) of a kernel that redoes in place."""
-
-
-def redo_in_place(dtype, state_rows: int, state_cols: int) -> bool:
-    """Whether a kernel whose program carries a ``state_rows`` x ``state_cols`` float32 state, on tiles of
-    ``dtype``, redoes its flagged programs in place (:data:`EXACT_IN_PLACE`): 16-bit tiles and a state of at most
-    :data:`REDO_STATE` entries (d <= 64), where a call is short and its launches cost the host more than the GPU
-    its time.
-
-    In place, a forward + backward at d = 64 launches 5 kernels instead of 8 and compiles 5 instead of 8: the
-    kernels' own time barely moves, and a short call, bound by the host, gets shorter. At d = 128 a call is long,
-    the launches saved are worth little, and in place a 128 x 128 state (d_v whole) ran slower. float32 tiles, the
-    spilling kind, keep two launches. Chapter 07 shows the measurements (``python -m benchmarks.redo``,
-    notebooks/data/redo_h100.json)."""
-    import torch
-
-    return EXACT_IN_PLACE and dtype in (torch.float16, torch.bfloat16) and state_rows * state_cols <= REDO_STATE
-
-FAST_LAUNCH = True
-"""Whether :func:`launch` on a GPU launches a kernel it has launched before with the same specialisation
-directly (:func:`_fast_launch`). Set it to False to send every launch through Triton's ``kernel[grid]``."""
 
 _LAUNCHED: dict = {}  # launch_key -> (compiled kernel, the values of the parameters not passed by position)
 
@@ -129,7 +103,7 @@ _LAUNCHED: dict = {}  # launch_key -> (compiled kernel, the values of the parame
 def launch(kernel, grid):
     """``kernel[grid]``, the launch; inside :func:`compile_ahead`, a warm-up instead: the kernel is compiled for
     these arguments (handed to a compiler thread) and nothing runs. The backend's launchers launch through this.
-    On a GPU (with :data:`FAST_LAUNCH`) a launch whose specialisation was launched before skips Triton's
+    On a GPU (with the setting ``fast_launch``, :class:`~.plan.Settings`) a launch whose specialisation was launched before skips Triton's
     launch-time work: :func:`_fast_launch`. Inside :func:`record_plan` the launch also goes into the plan
     being recorded."""
     if _AHEAD.get():
@@ -137,7 +111,7 @@ def launch(kernel, grid):
     recorder = _RECORDER.get()
     if recorder is not None:
         return functools.partial(_recorded_launch, recorder, kernel, grid)
-    if FAST_LAUNCH and isinstance(kernel, JITFunction):  # not the interpreter's functions, nor a stand-in
+    if settings().fast_launch and isinstance(kernel, JITFunction):  # not the interpreter's functions, nor a stand-in
         return functools.partial(_fast_launch, kernel, grid)
     return kernel[grid]
 
@@ -230,7 +204,7 @@ _RECORDER = contextvars.ContextVar("lightning_edu_launch_recorder", default=None
 def _recorded_launch(recorder: list, kernel, grid, *args, **meta):
     """Launch as :func:`launch` would, and append to ``recorder`` a runner that launches the same kernel, on the
     same grid with the same keyword arguments, on other positional arguments."""
-    if FAST_LAUNCH and isinstance(kernel, JITFunction) and not kernel.pre_run_hooks:
+    if settings().fast_launch and isinstance(kernel, JITFunction) and not kernel.pre_run_hooks:
         compiled = _fast_launch(kernel, grid, *args, **meta)
         # the current device is part of the plan's key (ops._replay_key): a replay runs on the same one
         runner = functools.partial(_run_compiled, compiled, grid, _rest(kernel, args, meta),
@@ -464,51 +438,10 @@ def compile_ahead(run, *args, workers: int | None = None, **kwargs) -> bool:
     return True
 
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for positive ints. The launchers' own: Triton's ``triton.cdiv`` and ``triton.next_power_of_2``
-    are compile-time functions whose host-side call costs far more than this, and a forward+backward of the
-    backend computes a few dozen of these numbers on the host."""
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1), in plain Python for the reason given in :func:`cdiv`."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def pad_dim(d: int) -> int:
-    """A head dim as a tile width: the next power of two, at least 16 (tl.dot's smallest tile)."""
-    return max(16, next_power_of_2(d))
-
-
 def dot_precision(x: torch.Tensor) -> str:
     """``input_precision`` of tl.dot: full fp32 ("ieee") for fp32 inputs, the correctness rung; "tf32" for
     16-bit inputs, whose operands are already coarser than tf32."""
     return "ieee" if x.dtype in (torch.float32, torch.float64) else "tf32"
-
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # as Triton read it when this module's kernels were defined
-
-
-def interpreted(x: torch.Tensor) -> bool:
-    """Whether a kernel launched on ``x`` runs in Triton's CPU interpreter: x is not on CUDA (there is no
-    other CPU path), or TRITON_INTERPRET=1 was set when the kernels were defined. Triton reads the variable
-    once, as ``@triton.jit`` decorates each kernel, so this reads it once too, at import: setting it later
-    changes neither. (The backend asks many times per forward + backward, and reading ``os.environ`` each time
-    showed in a profile of a short call.)"""
-    return not x.is_cuda or _INTERPRET
-
-
-def sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 in the interpreter (a few programs, as on a small GPU)."""
-    if device.type == "cuda":
-        return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 4
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def exact_pass_grid(programs: int, device) -> tuple[tuple[int], int]:
@@ -678,7 +611,7 @@ def clear_flag(flag):
 
 @triton.jit
 def flagged_here(flag):
-    """In a fast pass that redoes its own flagged program (:data:`EXACT_IN_PLACE`), after :func:`flag_nonfinite`:
+    """In a fast pass that redoes its own flagged program (the setting ``exact_in_place``, :func:`~.plan.redo_in_place`), after :func:`flag_nonfinite`:
     whether this program's flag is set. The barrier makes every thread's flag store visible to every thread, so
     the whole program takes the same branch; no reduction over the tile (see :func:`flag_nonfinite`)."""
     tl.debug_barrier()

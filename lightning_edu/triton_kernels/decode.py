@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._tiles import cdiv, dense, head_start, launch, pad_dim, refuse_interpreted_bf16, upcast_for_interpreter
+from ._tiles import dense, head_start, launch, refuse_interpreted_bf16, upcast_for_interpreter
+from .plan import cdiv, pad_dim
 
 __all__ = ["decode_step", "step_kernels", "decode_op"]
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from . import autograd_log2_decay, log2_decay_tensor, tiles_for, triton_attention
-from ._tiles import cdiv, dense, upcast_for_interpreter
+from . import autograd_log2_decay, log2_decay_tensor, triton_attention
+from ._tiles import dense, upcast_for_interpreter
 from .decode import decode_op, step_kernels
 from .la1 import la1_backward, la1_forward
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
 from .la3 import la3_backward
+from .plan import cdiv, tiles_for
 
 __all__ = [
     "la1_from_args", "la1_backward_from_args", "la2_literal_from_args", "la2_literal_backward_from_args",
@@ -83,7 +84,7 @@ def la2_fast_from_args(args, *, segments: bool = True, reuse_states: bool = True
     """The backend's kernels. With the default options this is the differentiable backend
     (:func:`~lightning_edu.triton_kernels.triton_attention`), whose forward keeps the segment states for its
     autograd backward when a gradient can follow. Any other option launches la2_fast's forward here, on
-    :func:`~lightning_edu.triton_kernels.tiles_for`'s tiles, keeping no states: ``segments`` False (one segment),
+    :func:`~.plan.tiles_for`'s tiles, keeping no states: ``segments`` False (one segment),
     ``fused_dkdv`` True (the variant whose backward fuses dK and dV), ``reuse_states`` False (nothing else
     changed: the states a backward could reuse are not kept). The backward hook,
     :func:`la2_fast_backward_from_args`, is never handed saved states and always recomputes them, so it takes no
@@ -138,7 +139,7 @@ def _fast_backward_fake(q, k, v, do, log2_decay, initial_state, d_final_state, b
 def la3_backward_from_args(args, d_final_state=None, *, chunk: int | None = None, micro: int | None = None,
                             dkdv_warps: int | None = None, dkdv_stages: int | None = None):
     """The recompute-heavy backward (its forward is la2_fast's); the options set its dK/dV kernel's tiles, None
-    for :func:`~.la3.la3_tiles`'s."""
+    for :func:`~.plan.la3_tiles`'s."""
     q, k, v, do = _tensors(args.q, args.k, args.v, args.do)
     cfg, _ = _la2_fast_config(q, args.v, args.block_size, True, False)
     dq, dk, dv, ds0 = la3_backward(q, k, v, do, log2_decay_tensor(args.decay, q.device), args.initial_state,

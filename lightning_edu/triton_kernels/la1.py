@@ -41,16 +41,29 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validation import device_decay, validate_attention_args, validate_block_size, validate_decay, validate_head_dims
 from ..torch_chunked import first_derivative_only
+from ..validation import device_decay, validate_attention_args, validate_block_size, validate_decay, validate_head_dims
 from ._tiles import (
-    apply_decay, cdiv, clear_flag, decay_tile, dense, dot_precision, dropped, exact_pass_grid, finite_operand, flag_nonfinite,
-    flagged_range, launch, pad_dim, poison, refuse_interpreted_bf16, stored_nonfinite,
+    apply_decay,
+    clear_flag,
+    decay_tile,
+    dense,
+    dot_precision,
+    dropped,
+    exact_pass_grid,
+    finite_operand,
+    flag_nonfinite,
+    flagged_range,
+    launch,
+    poison,
+    refuse_interpreted_bf16,
+    stored_nonfinite,
 )
+from .plan import cdiv, pad_dim
 
 __all__ = [
-    "la1_forward_kernel", "la1_backward_dq_kernel", "la1_backward_dkdv_kernel",
-    "la1_forward", "la1_backward", "LA1Function", "la1_attention", "LA1_DTYPES",
+    "la1_forward_kernel", "la1_backward_dq_kernel", "la1_backward_dkdv_kernel", "la1_forward", "la1_backward",
+    "la1_attention",
 ]
 
 LA1_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -26,7 +26,7 @@ Four ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
 Non-finite inputs stay causal (a NaN or inf reaches exactly the outputs that depend on it), in the forward,
 in the three backward passes and in the fused dK/dV kernel: each kernel is a fast pass, which flags the
 programs whose state ended non-finite, and an exact pass that redoes only those (``_tiles``), in a launch of
-its own or, for 16-bit tiles at d <= 64, in the same program (``_tiles.redo_in_place``). The segment
+its own or, for 16-bit tiles at d <= 64, in the same program (``plan.redo_in_place``). The segment
 states are dense sums, exact as they are. bfloat16 is refused in the CPU interpreter, which computes it wrongly.
 """
 
@@ -35,17 +35,47 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import _tiles
 from ._tiles import (
-    aligned, apply_decay, cdiv, clear_flag, decay_tile, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    dense, flagged_here, flagged_range, head_offset, head_start, interpreted, launch, pad_dim, poison,
-    refuse_interpreted_bf16, sm_count,
+    aligned,
+    apply_decay,
+    clear_flag,
+    decay_tile,
+    dense,
+    dot_precision,
+    exact_pass_grid,
+    finite_operand,
+    flag_nonfinite,
+    flagged_here,
+    flagged_range,
+    head_offset,
+    head_start,
+    launch,
+    poison,
+    refuse_interpreted_bf16,
+)
+from .plan import (
+    _capability,
+    backend_tiles,
+    cdiv,
+    choose_segments,
+    interpreted,
+    pad_dim,
+    prepass_tiles,
+    redo_in_place,
+    settings,
+    short_blocks,
+    sliced_plan,
+    sm_count,
+    takes_tma,
+    value_slices,
+    whole_dv_forward,
+    whole_dv_plan,
 )
 
-__all__ = ["la2_fast_forward", "la2_fast_backward", "backend_tiles", "choose_segments", "prepass_tiles", "dq_pass",
-           "whole_dv_forward", "whole_dv_plan", "WHOLE_DV", "WHOLE_DV_PER_SM",
-           "sliced_forward", "SLICE", "value_slices",
-           "finish_backward", "segment_states", "PREPASS_TAIL_FIRST", "exact_pass", "SHORT_BLOCKS", "short_blocks", "in_place", "output_like", "in_layout_of"]
+__all__ = [
+    "la2_fast_forward", "la2_fast_backward", "dq_pass", "finish_backward", "segment_states", "exact_pass",
+    "in_place", "output_like", "in_layout_of",
+]
 
 
 @triton.jit
@@ -64,7 +94,7 @@ def _segment_state_kernel(
     TAIL_FIRST: tl.constexpr = False,
 ):
     """Local state of one full segment: sum over its rows of lambda^(end-1-p) k_p^T v_p; with TAIL_FIRST its blocks
-    are summed from the segment's end back to its start (:data:`PREPASS_TAIL_FIRST`).
+    are summed from the segment's end back to its start (the setting ``prepass_tail_first``, :class:`~.plan.Settings`).
 
     Grid (batch*heads, num_segments - 1, cdiv(d_v, BLOCK_DV)); SEG is (batch*heads, num_segments, d_k, d_v) fp32.
     K and V are (batch, heads, n, d) with any batch, head and row strides (``skb, skh, skn``; ``svb, svh, svn``);
@@ -272,7 +302,7 @@ def _la2_fast_forward_kernel(
                               BLOCK_DV, BLOCK, REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC,
                               PRECISION, False, CONTIGUOUS, SEG_T)
         flag_nonfinite(flag, kv)  # a non-finite K or V entry always leaves the state non-finite (0 * NaN = NaN)
-        if REDO:  # the exact pass of this program, here (_tiles.EXACT_IN_PLACE); its states stand
+        if REDO:  # the exact pass of this program, here (plan.Settings.exact_in_place); its states stand
             if flagged_here(flag):
                 _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
                                  sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K,
@@ -431,148 +461,113 @@ def _strides(*xs):
     return tuple(stride for x in xs for stride in x.stride()[:3])
 
 
-def _sm_count(device) -> int:
-    return sm_count(device)  # 4 in the interpreter: a few segments, so CPU tests exercise the segmented path
+# --------------------------------------------------------------------------------------------------
+# The fast pass through tensor descriptors (Hopper's TMA): the forward of the variant la2_tma (:mod:`.la2_tma`),
+# and the backend's passes in time order where :func:`~.plan.backend_takes` says so.
 
 
-SHORT_BLOCKS = 4
-"""On a GPU, a sequence of at most this many blocks is one segment (:func:`choose_segments`' ``short``)."""
+@triton.jit(do_not_specialize=["H"])
+def _tma_forward_kernel(
+    q_desc, k_desc, v_desc, o_desc, S0, SN, SEG, INC, FLAG, LOG2_DECAY, n, H, seg_len,
+    D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_S0: tl.constexpr, STORE_SN: tl.constexpr, SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr,
+    PRECISION: tl.constexpr, SEG_T: tl.constexpr,
+):
+    """Algorithm 1 over one segment, tiles through descriptors. Grid (batch*heads, num_segments, slices of d_v).
 
-
-def short_blocks(device) -> int:
-    """``short`` of :func:`choose_segments` on ``device``: :data:`SHORT_BLOCKS` on a GPU, 0 in the interpreter (where
-    short sequences are cut into segments, so that CPU tests exercise the segmented path)."""
-    return SHORT_BLOCKS if device.type == "cuda" else 0
-
-
-def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: int | None = None,
-                    short: int = 0, per_sm: int = 2) -> tuple[int, int]:
-    """(num_segments, seg_len): as many segments as keep ``programs * num_segments`` within ``per_sm`` programs
-    per SM; one segment for a sequence of at most ``short`` blocks.
-
-    Two programs of the backend's 16-bit kernels fit on an SM at once (registers and shared memory), so up to
-    ``2 * sm_count`` programs run as one wave. One program more starts a second wave, in which a few programs run
-    while most SMs wait: rounding the segment count up (17 segments of a 16-head sequence on 132 SMs, 272
-    programs) made the forward slower than rounding it down (16 segments, 256 programs; chapter 07 measures it).
-    A program of :data:`WHOLE_DV`'s tiles fills an SM alone (:data:`WHOLE_DV_PER_SM`): its caller passes
-    ``per_sm=1``. seg_len is a multiple of ``block`` so every segment but the last is made of whole blocks.
-
-    Short sequences. Segments cost launches: a pre-pass before the pass, in the forward and in the backward, and
-    on a short call the host's time is the call's time: there one segment saves more host time than it costs the
-    GPU (chapter 07). The backend passes ``short`` = :data:`SHORT_BLOCKS` on a GPU.
+    The descriptors cover (batch, heads, n, d) tensors with tiles of (1, 1, BLOCK, PAD_K) for q and k and
+    (1, 1, BLOCK, BLOCK_DV) for v and o. SEG holds every segment's local state (la2_fast's pre-pass), or with
+    SEG_IS_INCOMING its incoming state (saved by the forward: the dQ pass), transposed with SEG_T; STORE_INC saves
+    the incoming states to INC, STORE_SN the final state to SN, as la2_fast's kernel does. FLAG: one non-finite
+    flag per program, in la2_fast's order, for its exact pass.
     """
-    if seg_len is None:
-        want = max(1, per_sm * sm_count // max(programs, 1))
-        blocks = cdiv(n, block)
-        if blocks <= short:
-            want = 1
-        per_seg = cdiv(blocks, min(want, blocks))
-        seg_len = per_seg * block
-    if seg_len % block:
-        raise ValueError(f"seg_len must be a multiple of the block size {block}, got {seg_len}")
-    return cdiv(n, seg_len), seg_len
+    bh = tl.program_id(0)
+    seg = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    num_seg = tl.num_programs(1)
+    slices: tl.constexpr = (D_V + BLOCK_DV - 1) // BLOCK_DV
+    flag = FLAG + (bh * num_seg + seg) * slices + pid_v
+    clear_flag(flag)
+    b = bh // H
+    h = bh % H
+    log2_lam = tl.load(LOG2_DECAY + h)
+    S0 += head_start(bh, 1, D_K * D_V)
+    SN += head_start(bh, 1, D_K * D_V)
+    SEG += head_start(bh, num_seg, D_K * D_V)
+    INC += head_start(bh, num_seg, D_K * D_V)
+    offs_r = tl.arange(0, BLOCK)
+    offs_k = tl.arange(0, PAD_K)
+    offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    state_offs = offs_k[:, None] * D_V + offs_v[None, :]
+    state_ok = (offs_k < D_K)[:, None] & (offs_v < D_V)[None, :]
+    kv = _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok, D_K, D_V, PAD_K, BLOCK_DV, HAS_S0,
+                         SEG_IS_INCOMING, SEG_T)
+    if STORE_INC:
+        tl.store(INC + seg * D_K * D_V + state_offs, kv, mask=state_ok)
+    mask = decay_tile(log2_lam, offs_r, offs_r, False)
+    q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
+    start = seg * seg_len
+    end = tl.minimum(start + seg_len, n)
+    for blk in range(start, end, BLOCK):  # rows past n load as zeros (segments before the last are whole blocks)
+        q = q_desc.load([b, h, blk, 0]).reshape(BLOCK, PAD_K)
+        k = k_desc.load([b, h, blk, 0]).reshape(BLOCK, PAD_K)
+        v = v_desc.load([b, h, blk, pid_v * BLOCK_DV]).reshape(BLOCK, BLOCK_DV)
+        size = tl.minimum(end - blk, BLOCK)
+        scores = apply_decay(tl.dot(q, tl.trans(k), input_precision=PRECISION), mask, False)  # (B, d_k) @ (d_k, B)
+        o = tl.dot(scores.to(v.dtype), v, input_precision=PRECISION)  # (B, B) @ (B, d_v)
+        o += tl.dot(q, kv.to(q.dtype), input_precision=PRECISION) * q_scale[:, None]  # (B, d_k) @ (d_k, d_v)
+        k_scale = tl.where(blk + offs_r < end, tl.exp2(log2_lam * tl.maximum(size - 1 - offs_r, 0).to(tl.float32)), 0.0)
+        ks = (k.to(tl.float32) * k_scale[:, None]).to(k.dtype)
+        kv = kv * tl.exp2(log2_lam * size.to(tl.float32)) + tl.dot(tl.trans(ks), v, input_precision=PRECISION)  # (d_k, B) @ (B, d_v)
+        o_desc.store([b, h, blk, pid_v * BLOCK_DV], o.to(o_desc.dtype).reshape(1, 1, BLOCK, BLOCK_DV))
+    if STORE_SN:
+        if seg == num_seg - 1:
+            tl.store(SN + state_offs, kv, mask=state_ok)
+    flag_nonfinite(flag, kv)
 
 
-SLICE = 32
-"""Columns of d_v per program in :func:`sliced_forward`'s plan."""
+def fast_pass_for(q, k, v, o):
+    """The fast pass :func:`~.la2_fast._forward_form` takes when asked for descriptor tiles: this module's, when
+    :func:`tma_ready` accepts the call's tensors; else None (la2_fast's pointer kernel)."""
+    return _tma_fast_pass if tma_ready(q, k, v, o) is None else None
 
 
-def sliced_forward(batch_heads: int, n: int, d_v: int, block: int, sm_count: int) -> tuple[int, int, int] | None:
-    """(block_dv, num_stages, seg_len) of a 16-bit forward with no backward to follow, when d_v cut into
-    :data:`SLICE`-column slices, as one segment, gives the chip enough programs; else None (the usual plan).
-
-    Segments and slices both add programs. A segment re-reads K and V from HBM in the pre-pass; a slice re-reads
-    Q and K, but at the same time as the other slices of its (batch, head) (one wave), and L2 serves the reads:
-    the sliced forward reads about the three tensors' worth of bytes of q, k and v from DRAM (chapter 07's
-    profile, ``python -m benchmarks.kernels``).
-    Where the usual 64-column slices leave SMs idle (``batch_heads * cdiv(d_v, 64) < sm_count``) and 32-column
-    slices fill them, one segment of 32-column slices skips the pre-pass. Enough means: with at most two slices
-    (d_v <= 64) one program per SM, less a tenth; with more (d_v <= 128) two per SM, less an eighth, since each
-    slice repeats the scores tile; below those counts the usual plan was as fast or faster (chapter 07).
-    With a backward to follow the forward keeps its segments: their saved states spare the dQ pass its
-    pre-pass. Three pipeline stages, the faster of two and three."""
-    slices = cdiv(d_v, SLICE)
-    if not SLICE < d_v <= 128 or batch_heads * cdiv(d_v, 64) >= sm_count:  # d_v <= 32: no more programs to gain
-        return None
-    need = sm_count - sm_count // 10 if slices <= 2 else 2 * sm_count - sm_count // 8
-    if batch_heads * slices < need:
-        return None
-    return SLICE, 3, cdiv(n, block) * block
-
-
-WHOLE_DV = dict(block_dv=128, num_warps=8, num_stages=3)
-"""The tiles of :func:`whole_dv_forward`: d_v whole (up to 128 columns), 8 warps for the d x d float32 state, 3 stages."""
-
-WHOLE_DV_PER_SM = 1
-"""Programs of :data:`WHOLE_DV`'s tiles that run on one SM at once (:func:`choose_segments`' ``per_sm``). At
-d = 128 three stages of 64-row tiles of q, k and v (48 KB a stage) and the state's 16-bit copy for its dot need
-more than half of an SM's 228 KB of shared memory, so one program holds the SM: 16 segments of a 16-head
-sequence (256 programs) are two waves on 132 SMs, 8 segments one wave, whose pre-pass re-reads 7/8 of K and V
-instead of 15/16, and 9 segments a second wave of 12 programs, the slowest of the three. Chapter 07 shows the
-measurements (``python -m benchmarks.segments``, notebooks/data/segments_h100.json)."""
-
-
-def whole_dv_forward(q, v) -> bool:
-    """Whether a forward with no backward to follow, where :func:`sliced_forward`'s plan does not apply, takes
-    :data:`WHOLE_DV` (one program per (batch, head) and segment, d_v whole) instead of the backend's 64-column
-    slices: where its tiles load through descriptors (:func:`~.la2_tma.backend_takes`, 64 < d <= 128).
-
-    With pointer loads d_v whole was the slower tiles wherever the slices fit in one wave (its 128 x 128 float32
-    state spilled registers); through descriptors it became the fastest segmented tiles on the longest sequences
-    and costs nothing on shorter ones (chapter 07; ``python -m benchmarks.tma``,
-    notebooks/data/tma_h100.json). A backward keeps the slices: its
-    reversed passes load through pointers, where d_v whole is slower (:func:`~lightning_edu.triton_kernels.kernel_config`),
-    and the forward that saves states for it shares its tiles."""
-    from .la2_tma import backend_takes
-
-    return 64 < max(q.shape[-1], v.shape[-1]) <= 128 and backend_takes(q, v)
-
-
-def whole_dv_plan(q, block: int) -> tuple[dict, int, int]:
-    """(tiles, num_segments, seg_len) of a forward on :data:`WHOLE_DV`'s tiles (where :func:`whole_dv_forward`
-    says so), for a (batch, heads, n, d) query and ``block``-row blocks: ``tiles`` a copy of WHOLE_DV; one program
-    per (batch, head) and segment, :data:`WHOLE_DV_PER_SM` of them per SM (:func:`choose_segments`). The one place
-    that plans it: the backend's plan (``ops.launch_plan``) and :func:`la2_fast_forward` both ask here."""
-    num_seg, seg_len = choose_segments(q.shape[0] * q.shape[1], q.shape[2], block, _sm_count(q.device), None,
-                                       short_blocks(q.device), WHOLE_DV_PER_SM)
-    return dict(WHOLE_DV), num_seg, seg_len
-
-
-PREPASS_TAIL_FIRST = False
-"""Whether the segment pre-pass sums each segment from its end back to its start (``_local_state``'s TAIL_FIRST;
-bfloat16 and float32 keys only). The main pass reads each segment from its start, so summed from its end the rows
-the pre-pass read last are the rows the main pass reads first, and some of them are still in L2. Off: it paid too
-little, and not everywhere: the forward alone gained a little or tied, and a long forward + backward at d = 128
-ran slower. Chapter 07 shows the measurements (``python -m benchmarks.prepass``,
-notebooks/data/prepass_h100.json)."""
-
-
-def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: int) -> tuple[int, int, int]:
-    """(block, num_warps, num_stages) of the segment pre-pass (``_segment_state_kernel``) for 16-bit inputs: 32-row
-    blocks, 4 warps, 4 stages. The pre-pass only streams K and V through one dot per block, so it wants more
-    loads in flight than the main kernel's tiles give it; with these it ran faster than on the forward's tiles
-    (64 rows, 4 warps, 2 stages) at every length measured (chapter 07). Other dtypes, and segments that are not
-    whole 32-row blocks, keep the given tiles.
-
-    The pre-pass keeps the forward's 64-column slices of d_v, so at d = 128 it reads K once per slice. Other
-    variants (d_v whole, which reads K once, or in slices; 16, 32 or 64 rows; 4 or 8 warps; 3 or 4 stages) barely
-    moved the whole forward: on long sequences the pre-pass already streams close to the copy bandwidth, and what
-    it costs is the second read itself."""
+def tma_ready(*tensors) -> str | None:
+    """Why these (batch, heads, n, d) tensors cannot be read through tensor descriptors, or None when they can:
+    a GPU of compute capability 9.0 or later (or the interpreter), the last stride 1, and the base and every other
+    stride a multiple of 16 bytes."""
     import torch
 
-    if dtype in (torch.float16, torch.bfloat16) and seg_len % 32 == 0:
-        return 32, 4, 4
-    return block, num_warps, num_stages
+    for x in tensors:
+        if x.is_cuda and not interpreted(x) and _capability(x.device.index) < (9, 0):
+            return f"tensor descriptors need a GPU of compute capability 9.0 or later, got {torch.cuda.get_device_name(x.device)}"
+        size = x.element_size()
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s * size % 16 for s in x.stride()[:-1]):
+            return (f"tensor descriptors need 16-byte aligned rows (the base and every stride but the last a multiple "
+                    f"of 16 bytes, the last stride 1), got strides {tuple(x.stride())} of {size}-byte elements")
+    return None
 
 
-def value_slices(d_v: int, block_dv: int | None) -> tuple[int, int]:
-    """(block_dv, slices): the columns of d_v each program of the forward kernel takes, and how many such slices
-    make d_v. ``block_dv`` None means 64-column slices, what the backend's tiles take above d = 64 in every dtype
-    (:func:`~lightning_edu.triton_kernels.kernel_config`, with the reasons), except where it names d_v whole
-    for more (batch, head) pairs than SMs (16-bit), with the warps and stages that go with it. A slice never
-    exceeds d_v padded to a power of two."""
-    block_dv = min(pad_dim(d_v), block_dv or 64)
-    return block_dv, cdiv(d_v, block_dv)
+def _tma_fast_pass(grid, args, meta):
+    """The fast pass through descriptors, as la2_fast's ``_forward_form`` launches it (its ``fast_pass``): ``args``
+    and ``meta`` are what it hands la2_fast's kernel (tensors first, then the integers and strides; the constants).
+    In time order only: a reversed pass reads its rows backwards, which a tile's coordinates cannot say."""
+    if meta["REVERSE"]:
+        raise ValueError("la2_tma: descriptor tiles run the passes in time order only, got REVERSE=True")
+    q, k, v, o, s0, sn, seg, inc, flags, log2_decay, n, heads, seg_len = args[:13]
+    names = ("D_K", "D_V", "PAD_K", "BLOCK_DV", "BLOCK", "HAS_S0", "STORE_SN", "SEG_IS_INCOMING", "STORE_INC",
+             "PRECISION", "SEG_T", "num_warps", "num_stages")
+    launch(_tma_forward_kernel, grid)(
+        descriptor(q, meta["BLOCK"], meta["PAD_K"]), descriptor(k, meta["BLOCK"], meta["PAD_K"]),
+        descriptor(v, meta["BLOCK"], meta["BLOCK_DV"]), descriptor(o, meta["BLOCK"], meta["BLOCK_DV"]), s0, sn,
+        seg, inc, flags, log2_decay, n, heads, seg_len, **{name: meta[name] for name in names})
+
+
+def descriptor(x, rows: int, columns: int):
+    """A tensor descriptor of the (batch, heads, n, d) tensor x, its tiles (1, 1, rows, columns)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, columns])
 
 
 def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, num_warps, num_stages, seg_len,
@@ -593,7 +588,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     la2_fast's), launched as ``fast_pass(grid, args, meta)`` with the positional arguments and the constants
     (STORE_SN and STORE_INC among them) that la2_fast's kernel would get, in its place. la2_tma's.
     ``tma``: with no ``fast_pass`` given, la2_tma's where its descriptors can hold these tensors
-    (:func:`~.la2_tma.fast_pass_for`), else la2_fast's kernel. In time order only.
+    (:func:`fast_pass_for`), else la2_fast's kernel. In time order only.
     """
     import torch
 
@@ -602,7 +597,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     d_v = v.shape[-1]
     pad_k = pad_dim(d_k)
     block_dv, slices = value_slices(d_v, block_dv)
-    num_seg, seg_len = choose_segments(batch * heads * slices, n, block, _sm_count(q.device), seg_len,
+    num_seg, seg_len = choose_segments(batch * heads * slices, n, block, sm_count(q.device), seg_len,
                                        short_blocks(q.device))
     o = output_like(v) if out is None else out  # for a view of a (batch, n, heads, d) projection: that layout
     sn = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32) if final_state else None
@@ -622,8 +617,6 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
     flags = torch.empty(programs, device=q.device, dtype=torch.int32)
     sn_arg = unused if sn is None else sn
     if tma and fast_pass is None and not reverse:
-        from .la2_tma import fast_pass_for
-
         fast_pass = fast_pass_for(q, k, v, o)
     args = (q, k, v, o, s0, sn_arg, seg, inc, flags, log2_decay, n, heads, seg_len, programs, *_strides(q, k, v, o))
     meta.update(HAS_S0=initial_state is not None, SEG_IS_INCOMING=incoming is not None, num_warps=num_warps,
@@ -631,7 +624,7 @@ def _forward_form(q, k, v, log2_decay, initial_state, reverse, block, block_dv, 
                 SEG_T=seg_t and (incoming is not None or local_states is not None))
     # The fast pass flags programs whose state ended non-finite; the exact pass redoes only those (_tiles), in
     # the same program (REDO) or in a launch of its own.
-    redo = fast_pass is None and _tiles.redo_in_place(q.dtype, pad_k, block_dv)
+    redo = fast_pass is None and redo_in_place(q.dtype, pad_k, block_dv)
     if fast_pass is None:
         launch(_la2_fast_forward_kernel, grid)(*args, **meta, STORE_SN=final_state, STORE_INC=store_incoming,
                                                REDO=redo)
@@ -651,32 +644,6 @@ def exact_pass(args, meta, programs: int, device) -> None:
     launch(_la2_fast_forward_kernel, safe_grid)(*args, **meta, STORE_SN=False, STORE_INC=False, SAFE=True, SCAN=scan)
 
 
-def backend_tiles(q, v, block=None, block_dv=None, num_warps=None, num_stages=None) -> tuple[int, int | None, int, int]:
-    """(block, block_dv, num_warps, num_stages) for a launcher: each one given as given, each one left None as the
-    backend takes it for this call (:func:`~lightning_edu.triton_kernels.tiles_for`: head dims, q's dtype, the
-    (batch, head) pairs and q's device). So a launcher called without tiles runs the kernels the backend runs, and
-    reuses their compilations. (When block, num_warps and num_stages are all given, as the backend gives them,
-    nothing is looked up: block_dv None then means what it means to the launcher, 64-column slices,
-    :func:`value_slices`.)"""
-    if block is not None and num_warps is not None and num_stages is not None:
-        return block, block_dv, num_warps, num_stages
-    from . import tiles_for  # the package defines it before importing this module
-
-    cfg = tiles_for(q, v, block)
-    return (cfg["block"], cfg["block_dv"] if block_dv is None else block_dv, num_warps or cfg["num_warps"],
-            num_stages or cfg["num_stages"])
-
-
-def sliced_plan(q, v, block: int) -> tuple[int, int, int] | None:
-    """:func:`sliced_forward`'s plan for these (batch, heads, n, d) tensors and the backend's ``block``: for
-    16-bit inputs on a GPU with d_k, d_v <= 128; else None. Callers ask only when the backend picks the tiles."""
-    import torch
-
-    if q.dtype not in (torch.float16, torch.bfloat16) or interpreted(q) or max(q.shape[-1], v.shape[-1]) > 128:
-        return None
-    return sliced_forward(q.shape[0] * q.shape[1], q.shape[2], v.shape[-1], block, _sm_count(q.device))
-
-
 def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None = None, block_dv: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None, seg_len: int | None = None,
                      save_states: bool = False, tma: bool | None = None):
@@ -686,7 +653,7 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None 
     are the backend's (:func:`backend_tiles`); with none given and no states to save, a 16-bit forward on a GPU
     takes :func:`sliced_forward`'s plan where it applies, else :func:`whole_dv_forward`'s tiles where they apply,
     as the backend does. ``tma``: the main kernel's tiles loaded through tensor descriptors (:mod:`.la2_tma`, where
-    the tensors allow), or not; None: as the backend does (:func:`~.la2_tma.backend_takes`).
+    the tensors allow), or not; None: as the backend does (:func:`~.plan.backend_takes`).
     bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
     refuse_interpreted_bf16("la2_fast_forward", q, k, v)
     backend_picks = (block, block_dv, num_warps, num_stages, seg_len) == (None,) * 5 and not save_states
@@ -699,7 +666,7 @@ def la2_fast_forward(q, k, v, log2_decay, initial_state=None, block: int | None 
         block_dv, num_warps, num_stages = tiles["block_dv"], tiles["num_warps"], tiles["num_stages"]
     s0 = dense(initial_state.float()) if initial_state is not None else None
     o, sn, aux = _forward_form(q, k, v, log2_decay, s0, False, block, block_dv, num_warps, num_stages, seg_len,
-                               store_incoming=save_states, tma=_tma(tma, q, v))
+                               store_incoming=save_states, tma=takes_tma(tma, q, v))
     return (o, sn, (aux["seg_len"], aux["incoming"])) if save_states else (o, sn)
 
 
@@ -750,21 +717,12 @@ def dq_pass(q, k, v, do, log2_decay, initial_state, block, block_dv, num_warps, 
     ``tma``: its tiles through descriptors or not, as :func:`la2_fast_forward`'s."""
     s0t = dense(initial_state.float().transpose(-1, -2)) if initial_state is not None else None
     cfg = (block, block_dv, num_warps, num_stages)
-    tma = _tma(tma, do, k)
+    tma = takes_tma(tma, do, k)
     if saved is not None and saved[1] is not None:  # KV at each segment start: dQ's states are KV^T (seg_t)
         return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, saved[0], incoming=saved[1], seg_t=True,
                              out=output_like(q), final_state=False, tma=tma)[0]
     return _forward_form(do, v, k, log2_decay, s0t, False, *cfg, seg_len, out=output_like(q), final_state=False,
                          tma=tma)[0]
-
-
-def _tma(tma: bool | None, q, v) -> bool:
-    """A launcher's ``tma`` option: as given, or None: the backend's choice (:func:`~.la2_tma.backend_takes`)."""
-    if tma is not None:
-        return bool(tma)
-    from .la2_tma import backend_takes
-
-    return backend_takes(q, v)
 
 
 def finish_backward(q, k, v, log2_decay, d_final_state, dq, dk, dv, x_end, d_initial_state: bool = True):
@@ -809,7 +767,7 @@ def segment_states(k, v, log2_decay, seg, seg_len, block, block_dv, num_warps, n
         launch(_segment_state_kernel, (batch * heads, num_seg - 1, cdiv(d_v, block_dv)))(
             k, v, seg, log2_decay, n, heads, seg_len, *_strides(k, v), D_K=d_k, D_V=d_v, PAD_K=pad_dim(d_k),
             BLOCK_DV=block_dv, BLOCK=block, REVERSE=reverse, PRECISION=dot_precision(k),
-            CONTIGUOUS=k.is_contiguous() and v.is_contiguous(), TAIL_FIRST=PREPASS_TAIL_FIRST and k.dtype != torch.float16,
+            CONTIGUOUS=k.is_contiguous() and v.is_contiguous(), TAIL_FIRST=settings().prepass_tail_first and k.dtype != torch.float16,
             num_warps=num_warps, num_stages=num_stages,
         )
 
@@ -827,7 +785,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     dkdv_stages = dkdv_stages or min(num_stages, 2)  # its tile sweep (chapter 08) went to 2 stages, the forward's to 3
     if seg_len is not None and seg_len % block:
         seg_len = cdiv(seg_len, block) * block
-    num_seg, seg_len_ = choose_segments(batch * heads, n, block, _sm_count(q.device), seg_len, short_blocks(q.device))
+    num_seg, seg_len_ = choose_segments(batch * heads, n, block, sm_count(q.device), seg_len, short_blocks(q.device))
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     x_end = torch.empty(batch, heads, d_k, d_v, device=q.device, dtype=torch.float32)
     seg = torch.empty(batch * heads, num_seg, d_k, d_v, device=q.device, dtype=torch.float32)

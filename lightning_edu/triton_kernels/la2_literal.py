@@ -20,9 +20,21 @@ import triton.language as tl
 
 from ..validation import validate_head_dims
 from ._tiles import (
-    apply_decay, cdiv, clear_flag, decay_tile, dense, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16,
+    apply_decay,
+    clear_flag,
+    decay_tile,
+    dense,
+    dot_precision,
+    exact_pass_grid,
+    finite_operand,
+    flag_nonfinite,
+    flagged_range,
+    head_start,
+    launch,
+    poison,
+    refuse_interpreted_bf16,
 )
+from .plan import cdiv, pad_dim
 
 __all__ = [
     "la2_literal_forward_kernel", "la2_literal_dq_kernel", "la2_literal_dkdv_kernel",

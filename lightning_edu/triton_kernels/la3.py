@@ -25,7 +25,7 @@ starts every segment from the state the forward saved. The forward is la2_fast's
 Non-finite values stay causal, with the two-pass scheme of ``_tiles``: the fast pass flags the programs whose
 state ended non-finite, the exact pass redoes them with selecting masks on the diagonal tiles (off-diagonal
 tiles have no dropped entries, so their plain products are already exact). With 16-bit tiles (the backend's)
-the exact pass runs in the fast kernel's own program (``_tiles.redo_in_place``), float32 in a launch of its own.
+the exact pass runs in the fast kernel's own program (``plan.redo_in_place``), float32 in a launch of its own.
 """
 
 from __future__ import annotations
@@ -34,39 +34,28 @@ import triton
 import triton.language as tl
 
 from ..validation import validate_head_dims
-from . import _tiles
 from ._tiles import (
-    apply_decay, cdiv, clear_flag, decay_tile, dense, dot_precision, exact_pass_grid, finite_operand, flag_nonfinite,
-    flagged_here, flagged_range, head_start, launch, pad_dim, poison, refuse_interpreted_bf16, sm_count,
+    apply_decay,
+    clear_flag,
+    decay_tile,
+    dense,
+    dot_precision,
+    exact_pass_grid,
+    finite_operand,
+    flag_nonfinite,
+    flagged_here,
+    flagged_range,
+    head_start,
+    launch,
+    poison,
+    refuse_interpreted_bf16,
 )
-from .la2_fast import (
-    _incoming_state, backend_tiles, choose_segments, dq_pass, finish_backward, in_layout_of, segment_states,
-    short_blocks,
-)
+from .la2_fast import _incoming_state, dq_pass, finish_backward, in_layout_of, segment_states
+from .plan import backend_tiles, cdiv, choose_segments, la3_tiles, pad_dim, redo_in_place, short_blocks, sm_count
 
-__all__ = ["la3_backward", "la3_dkdv", "la3_tiles", "MAX_HEAD_DIM"]
+__all__ = ["la3_backward", "la3_dkdv"]
 
 MAX_HEAD_DIM = 128  # the sweep holds a d_k x d_v fp32 state: 64 KB at d = 128, 256 KB (all spilled) at 256
-
-
-def la3_tiles(dtype, d: int = 64) -> dict:
-    """Chunk C, micro-chunk c and launch shape of the dK/dV kernel for inputs of ``dtype`` and head dim ``d`` (the
-    wider of d_k, d_v), chosen by the measurements of chapter 09 (notebooks/data/la3_h100.json).
-
-    16-bit inputs: c = C = 64. Hopper's tensor-core instruction (wgmma) multiplies tiles of 64 rows per
-    warp group; 16-row tiles fall back to the older instruction and made the backward much slower. The
-    kernel then needs 32 KB (d = 64) or 64 KB (d = 128) of shared memory: within 99 KB either way.
-
-    fp32 (the correctness rung): c = C = 16, 4 warps up to d = 64 and 8 above. Its exact fp32 products run on the
-    FMA units, unrolled, and with c < C every chunk unrolls its c x c tile pairs as well: the smallest tiles
-    (C = c = 16) both ran and compiled fastest, at d = 64 and at d = 128 (with 8 warps there), and kept the error
-    against float64 that of fp32 dots. The 128 x 128 fp32 state still spills registers at d = 128.
-    """
-    import torch
-
-    if dtype == torch.float32:
-        return dict(chunk=16, micro=16, num_warps=8 if d > 64 else 4, num_stages=1)
-    return dict(chunk=64, micro=64, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -192,7 +181,7 @@ def _la3_dkdv_kernel(
         x = _la3_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, bh, seg, num_seg,
                          D_K, D_V, PAD_K, PAD_V, CHUNK, MICRO, STORE_XN, PRECISION, False)
         flag_nonfinite(flag, x)  # a non-finite Q or dO entry always shows in the state
-        if REDO:  # the exact pass of this program, here (_tiles.EXACT_IN_PLACE)
+        if REDO:  # the exact pass of this program, here (plan.Settings.exact_in_place)
             if flagged_here(flag):
                 _la3_program(Q, K, V, DO, DK, DV, XN, SEG, LOG2_DECAY, n, H, seg_len, bh, seg, num_seg,
                              D_K, D_V, PAD_K, PAD_V, CHUNK, MICRO, False, PRECISION, True)
@@ -239,7 +228,7 @@ def la3_dkdv(q, k, v, do, log2_decay, chunk: int = 64, micro: int = 16, num_warp
     args = (q, k, v, do, dk, dv, x_end, seg, flags, log2_decay, n, heads, seg_len, programs)
     meta = dict(D_K=d_k, D_V=d_v, PAD_K=pad_k, PAD_V=pad_v, CHUNK=chunk, MICRO=micro, PRECISION=precision,
                 num_warps=num_warps, num_stages=num_stages)
-    redo = _tiles.redo_in_place(q.dtype, pad_k, pad_v)
+    redo = redo_in_place(q.dtype, pad_k, pad_v)
     launch(_la3_dkdv_kernel, (batch * heads, num_seg))(*args, **meta, STORE_XN=True, REDO=redo)
     if not redo:
         safe_grid, scan = exact_pass_grid(programs, q.device)
@@ -254,7 +243,7 @@ def la3_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state=None
                  dkdv_stages: int | None = None, d_initial_state: bool = True):
     """The recompute-heavy backward. Returns (dq, dk, dv, d_initial_state fp32); the signature of
     la2_fast_backward (``d_initial_state`` False: None in its place), plus the dK/dV kernel's tiles (``chunk``,
-    ``micro``, ``dkdv_warps``, ``dkdv_stages``; defaults from :func:`la3_tiles`); dQ's tiles left None are the backend's (:func:`~.la2_fast.backend_tiles`).
+    ``micro``, ``dkdv_warps``, ``dkdv_stages``; defaults from :func:`la3_tiles`); dQ's tiles left None are the backend's (:func:`~.plan.backend_tiles`).
     Head dims up to 128 (ValueError beyond, before anything runs).
 
     dQ is la2_fast's dQ pass (from the forward's saved segment states when ``saved`` is given), its d_k cut

@@ -41,14 +41,20 @@ import triton
 import triton.language as tl
 
 from ._tiles import (
-    cdiv, clear_flag, decay_tile, dense, dot_precision, flag_nonfinite, head_offset, head_start, launch, pad_dim,
+    clear_flag,
+    decay_tile,
+    dense,
+    dot_precision,
+    flag_nonfinite,
+    head_offset,
+    head_start,
+    launch,
     refuse_interpreted_bf16,
 )
-from .la2_fast import (
-    _forward_sweep, _local_state, _strides, backend_tiles, exact_pass, in_place, output_like, value_slices,
-)
+from .la2_fast import _forward_sweep, _local_state, _strides, exact_pass, in_place, output_like
+from .plan import backend_tiles, cdiv, pad_dim, value_slices
 
-__all__ = ["lookback_forward", "LOCAL", "OUTGOING"]
+__all__ = ["lookback_forward"]
 
 LOCAL = tl.constexpr(1)
 """A segment's flag once its local state A_s is published (look-back only)."""
@@ -172,7 +178,7 @@ def lookback_forward(q, k, v, log2_decay, initial_state=None, seg_len: int | Non
     q, k (batch, heads, n, d_k), v (batch, heads, n, d_v), log2_decay float32 (heads,) on q's device;
     initial_state (batch, heads, d_k, d_v) or None. ``lookback`` True: decoupled look-back; False: the chained
     scan. ``seg_len`` (rows per segment, a multiple of the block; default 8 blocks) sets how many programs run
-    and how long each holds its K and V. Tiles left None are the backend's (:func:`~.la2_fast.backend_tiles`).
+    and how long each holds its K and V. Tiles left None are the backend's (:func:`~.plan.backend_tiles`).
     Two launches, as every kernel of the package: this one, then la2_fast's exact pass over the segments
     flagged non-finite. bfloat16 is refused in the CPU interpreter (TypeError).
     """

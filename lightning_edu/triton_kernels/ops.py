@@ -53,19 +53,29 @@ import triton
 from torch import Tensor
 
 from ..torch_chunked import decay_gradient, first_derivative_only
-from . import _tiles, la2_tma
-from ._tiles import compile_ahead, interpreted, is_dense, record_plan, sm_count, upcast_for_interpreter
-from .la2_fast import (
-    choose_segments, la2_fast_forward, output_like, short_blocks, sliced_plan, value_slices, whole_dv_forward,
+from . import _tiles
+from ._tiles import compile_ahead, is_dense, record_plan, upcast_for_interpreter
+from .la2_fast import la2_fast_backward, la2_fast_forward, output_like
+from .la3 import la3_backward
+from .plan import (
+    backward_kernel,
+    choose_segments,
+    interpreted,
+    settings,
+    short_blocks,
+    sliced_plan,
+    sm_count,
+    tiles_for,
+    value_slices,
+    whole_dv_forward,
     whole_dv_plan,
 )
 
-__all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
-           "compute_dtype", "COMPILE_AHEAD", "ahead_key", "forget_plans", "recorded_launches"]
+BACKWARDS = {"la2_fast": la2_fast_backward, "la3": la3_backward}  # plan.backward_kernel names one of these
 
-COMPILE_AHEAD = True
-"""Whether the first call of a configuration on a GPU compiles its kernels side by side first (:func:`_first_call`).
-Set it to False to let Triton compile each kernel at its first launch, one after another."""
+__all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
+           "compute_dtype", "ahead_key", "forget_plans", "recorded_launches"]
+
 
 _COMPILED: set = set()  # ahead_key of every configuration compiled ahead in this process
 
@@ -81,15 +91,14 @@ def launch_plan(q: Tensor, v: Tensor, block_size: int | None = None,
     """(cfg, seg_len, num_segments) of the backend's forward on tensors shaped like q and v, from shapes, dtype
     and device alone (it reads no data, so the fake implementations and the backward can call it).
 
-    ``cfg`` is :func:`~lightning_edu.triton_kernels.kernel_config`'s; seg_len and num_segments are what
+    ``cfg`` is :func:`~.plan.kernel_config`'s; seg_len and num_segments are what
     ``la2_fast_forward`` picks when given no seg_len (its d_v slices, then
-    :func:`~.la2_fast.choose_segments`); the forward op passes this seg_len to it explicitly, so the saved
+    :func:`~.plan.choose_segments`); the forward op passes this seg_len to it explicitly, so the saved
     segment states always have the layout computed here. A forward that saves no states (no backward to follow)
-    may instead take :func:`~.la2_fast.sliced_forward`'s plan: 32-column slices of d_v as one segment; or, where
-    that does not apply and its tiles load through descriptors, d_v whole (:func:`~.la2_fast.whole_dv_forward`,
-    on :func:`~.la2_fast.whole_dv_plan`'s segments, as la2_fast_forward takes them).
+    may instead take :func:`~.plan.sliced_forward`'s plan: 32-column slices of d_v as one segment; or, where
+    that does not apply and its tiles load through descriptors, d_v whole (:func:`~.plan.whole_dv_forward`,
+    on :func:`~.plan.whole_dv_plan`'s segments, as la2_fast_forward takes them).
     """
-    from . import tiles_for  # the package defines it before importing this module
 
     batch, heads, n, d_k = q.shape
     d_v = v.shape[-1]
@@ -120,10 +129,6 @@ def ahead_key(q: Tensor, k: Tensor, v: Tensor, initial_state: Tensor | None, blo
             save_states, n % 16 == 0, num_segments > 1)
 
 
-REPLAY = True
-"""Whether a call whose inputs allow it replays the launches recorded at the first call with its key
-(:func:`_replay_key`, :class:`~._tiles.LaunchPlan`) instead of running the launchers' host code again."""
-
 _FORWARD_PLANS: dict = {}   # replay key -> LaunchPlan of forward_impl's launchers, or None (not replayable)
 _BACKWARD_PLANS: dict = {}  # replay key -> LaunchPlan of backward_impl's launchers, or None
 _UNSEEN = object()
@@ -138,8 +143,8 @@ def recorded_launches() -> int:
 
 def forget_plans() -> None:
     """Drop every recorded launch plan: the next call of each key runs the launchers' host code again (and records
-    anew). For whoever changes what that host code decides, a setting such as ``la2_fast.PREPASS_TAIL_FIRST``, or
-    watches it run (the tests)."""
+    anew): for whoever watches that host code run (the tests). A change of settings (:func:`~.plan.override`)
+    needs no forgetting: the settings are part of every plan's key."""
     _FORWARD_PLANS.clear()
     _BACKWARD_PLANS.clear()
 
@@ -152,13 +157,12 @@ def _replay_key(tensors: tuple, log2_decay: Tensor, *options) -> tuple | None:
     ``log2_decay`` is float32: then no launcher copies, converts or re-lays out anything, and every choice the
     launchers make (tiles, segments, grids, strides, the kernels' specialisations) follows from the key: shapes,
     dtypes, the device, the options (block size, ...), Triton's debug and instrumentation settings, whether launches
-    take the fast path (:data:`~._tiles.FAST_LAUNCH`), whether flagged programs are redone in place
-    (:data:`~._tiles.EXACT_IN_PLACE`), whether the passes in time order may take descriptor tiles
-    (:data:`~.la2_tma.BACKEND`), and on a GPU the current device, whose stream the launches
+    take the fast path, whether flagged programs are redone in place and whether the passes in time order may take
+    descriptor tiles (the backend's :class:`~.plan.Settings`, all of them), and on a GPU the current device, whose stream the launches
     use. In the interpreter bfloat16 is converted (it computes it wrongly), so there a bfloat16 call is not
     replayed. A dimension of length 1 may carry any stride in a contiguous tensor: a replay passes the recorded
     one, which the kernels multiply only by index 0."""
-    if not REPLAY or _tiles._AHEAD.get():  # inside compile_ahead the launchers only compile: nothing to record
+    if not settings().replay or _tiles._AHEAD.get():  # inside compile_ahead the launchers only compile: nothing to record
         return None
     device = tensors[0].device
     for x in (*tensors, log2_decay):
@@ -172,7 +176,7 @@ def _replay_key(tensors: tuple, log2_decay: Tensor, *options) -> tuple | None:
         current = None
     else:
         current = torch.cuda.current_device()
-    return (device, current, _tiles.FAST_LAUNCH, _tiles.EXACT_IN_PLACE, la2_tma.BACKEND, triton.knobs.runtime.debug,
+    return (device, current, settings(), triton.knobs.runtime.debug,
             triton.knobs.compilation.instrumentation_mode, *options, *((x.shape, x.dtype) for x in tensors),
             log2_decay.shape)
 
@@ -220,12 +224,12 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, log2_decay: Tensor, initial_st
                  ahead: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """What ``lightning_edu::la2_forward`` runs (and :class:`EagerLA2`'s forward): (o in v's dtype, final_state
     fp32, incoming), la2_fast's forward, its segment states saved when ``save_states``. With ``ahead`` (and
-    :data:`COMPILE_AHEAD`), a configuration's first call on a GPU compiles its kernels side by side first."""
+    the setting ``compile_ahead``), a configuration's first call on a GPU compiles its kernels side by side first."""
     key = _replay_key((q, k, v), log2_decay, block_size, save_states) if initial_state is None else None
 
     def prepare():
         cfg, seg_len, num_seg = launch_plan(q, v, block_size, save_states)
-        if ahead and COMPILE_AHEAD and not interpreted(q) and not torch.cuda.is_current_stream_capturing():
+        if ahead and settings().compile_ahead and not interpreted(q) and not torch.cuda.is_current_stream_capturing():
             _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_seg)
         return _forward_launchers, (q, k, v, log2_decay, initial_state, save_states, seg_len, cfg)
 
@@ -273,7 +277,7 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tenso
                   d_initial_state: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """What ``lightning_edu::la2_backward`` runs (and :class:`EagerLA2`'s backward): (dq, dk, dv in q's, k's,
     v's dtypes, d_initial_state fp32) by the backend's backward kernel
-    (:func:`~lightning_edu.triton_kernels.backward_kernel`), its dQ pass started from ``incoming``. With
+    (:func:`~.plan.backward_kernel`), its dQ pass started from ``incoming``. With
     ``d_initial_state`` False (the eager door, when no initial state needs a gradient) None comes back in its
     place and its two small torch ops are skipped."""
     key = None
@@ -296,10 +300,8 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, do: Tensor, log2_decay: Tenso
 def _backward_launchers(q, k, v, do, log2_decay, initial_state, d_final_state, incoming, cfg, seg_len, num_seg,
                         d_initial_state):
     """(dq, dk, dv, d_initial_state or None) by the backend's backward kernel on the backend's tiles."""
-    from . import backward_kernel
-
     qc, kc, vc, doc = upcast_for_interpreter(q, k, v, do)
-    backward = backward_kernel(qc.shape[-1], vc.shape[-1], qc.dtype)
+    backward = BACKWARDS[backward_kernel(qc.shape[-1], vc.shape[-1], qc.dtype)]
     dq, dk, dv, ds0 = backward(qc, kc, vc, doc, log2_decay.float().contiguous(), initial_state, d_final_state,
                                saved=(seg_len, incoming if num_seg > 1 else None), d_initial_state=d_initial_state,
                                **cfg)

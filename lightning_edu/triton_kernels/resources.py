@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-__all__ = ["SM120_SHARED_LIMIT", "compiled_resources", "jit_functions"]
+__all__ = ["SM120_SHARED_LIMIT", "compiled_resources"]
 
 SM120_SHARED_LIMIT = 101_376  # bytes of shared memory per block on compute capability 12.x (99 KiB)
 
