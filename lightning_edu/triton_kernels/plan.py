@@ -162,36 +162,20 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
                   interpreter: bool = False, *, batch_heads: int | None = None, sms: int | None = None) -> dict:
     """Tile sizes of the backend's kernels for head dims (d_k, d_v) and the dtype the tiles are loaded in, on a GPU
     (or, with ``interpreter``, in Triton's CPU interpreter); given ``batch_heads`` (batch * heads) and ``sms`` (the
-    device's :func:`~._tiles.sm_count`), for that many (batch, head) pairs on that device.
+    device's :func:`sm_count`), for that many (batch, head) pairs on that device. Returns the keyword arguments of
+    ``la2_fast_forward``/``la2_fast_backward``: block, block_dv, num_warps, num_stages; ``block_size`` overrides
+    the rows.
 
-    16-bit tiles (chosen by chapter 07's bf16 tile sweep, ``bench --tune``: notebooks/data/tune_h200.json,
-    notebooks/data/tune_h100.json): 64-row blocks, or 32-row blocks when a head dim exceeds 128; three pipeline
-    stages up to d = 64, two above. d_v is cut into 64-column slices above d = 64 (two programs per (batch, head)
-    and segment at d = 128, each reading all of Q and K): with the segment count of
-    :func:`~.la2_fast.choose_segments` the slices beat d_v whole in the forward and the backward at every length
-    measured.
+    * 16-bit tiles: 64-row blocks (32 above d = 128), three pipeline stages up to d = 64 and two above, d_v in
+      64-column slices above d = 64: the fastest of chapter 07's tile sweep (``bench --tune``, its records).
+    * Unless the slices would not fit in one wave: with more (batch, head) pairs than SMs, 64 < d <= 128 takes d_v
+      whole (8 warps for the d x d float32 state, 3 stages), one program per pair instead of two.
+    * float32: 16-row blocks up to d = 128, because its exact dots run on the FMA units and a larger tile is a longer
+      unrolled run of multiply-adds that spills registers; 64-column slices above d = 64 whatever the pair count.
+      In the interpreter larger blocks (64 rows up to d = 64, 32 above), since there a block costs per operation.
 
-    Unless the slices would not fit in one wave. Two programs of these kernels run on an SM at once; with more
-    (batch, head) pairs than SMs, 64-column slices need more than one wave of programs even as one segment, while
-    d_v whole fits in one (two programs per pair against one). There, for 64 < d <= 128, each
-    program takes d_v whole, with 8 warps (its d x d float32 state takes twice the registers of a slice's) and
-    3 stages, the fastest tiles of the sweep for that many pairs; where the slices fit in one wave they stay the
-    faster choice. Chapter 07 shows the measurements.
-
-    float32 takes 16-row blocks up to d = 128: its exact fp32 dots (``input_precision="ieee"``,
-    :func:`~._tiles.dot_precision`) run on the FMA units, not the tensor cores, and every product of a larger
-    tile is a longer unrolled sequence of multiply-adds that spills registers, which runs and compiles slower
-    (chapter 07); 4 warps and two stages up to d = 64, 8 warps and one stage above. Above d = 64 float32 cuts d_v
-    into 64-column slices, whatever the pair count: a 128 x 128 fp32 state on the FMA units is the spilling kind
-    of tile. Above d = 128 float32 keeps 32-row blocks, 64-column slices, 8 warps and two stages (not
-    measured). In the interpreter float32 takes larger blocks (64 rows up to d = 64, 32 above):
-    there a block's cost is per operation, not per element, and small blocks only mean more
-    of them. ``block_size`` overrides the rows.
-    The same tiles hold where the passes in time order load them through tensor descriptors
-    (:func:`backend_takes`), but for a forward with no backward to follow, which may take other tiles
-    (:func:`~.la2_fast.sliced_forward`, :func:`~.la2_fast.whole_dv_forward`).
-    Returns the keyword arguments of ``la2_fast_forward``/``la2_fast_backward``: block, block_dv,
-    num_warps, num_stages.
+    Descriptor loads (:func:`backend_takes`) take the same tiles; a forward with no backward to follow may take
+    others (:func:`sliced_forward`, :func:`whole_dv_forward`).
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a torch floating-point dtype (e.g. torch.bfloat16), got {dtype!r}")
@@ -294,18 +278,14 @@ def short_blocks(device) -> int:
 def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: int | None = None,
                     short: int = 0, per_sm: int = 2) -> tuple[int, int]:
     """(num_segments, seg_len): as many segments as keep ``programs * num_segments`` within ``per_sm`` programs
-    per SM; one segment for a sequence of at most ``short`` blocks.
+    per SM, rounded down; one segment for a sequence of at most ``short`` blocks. seg_len is a multiple of
+    ``block``, so every segment but the last is made of whole blocks.
 
-    Two programs of the backend's 16-bit kernels fit on an SM at once (registers and shared memory), so up to
-    ``2 * sm_count`` programs run as one wave. One program more starts a second wave, in which a few programs run
-    while most SMs wait: rounding the segment count up (17 segments of a 16-head sequence on 132 SMs, 272
-    programs) made the forward slower than rounding it down (16 segments, 256 programs; chapter 07 measures it).
-    A program of :data:`WHOLE_DV`'s tiles fills an SM alone (:data:`WHOLE_DV_PER_SM`): its caller passes
-    ``per_sm=1``. seg_len is a multiple of ``block`` so every segment but the last is made of whole blocks.
-
-    Short sequences. Segments cost launches: a pre-pass before the pass, in the forward and in the backward, and
-    on a short call the host's time is the call's time: there one segment saves more host time than it costs the
-    GPU (chapter 07). The backend passes ``short`` = :data:`SHORT_BLOCKS` on a GPU.
+    Two programs of the backend's 16-bit kernels fit on an SM at once, so ``per_sm * sm_count`` programs are one
+    wave; one program more starts a second wave in which most SMs wait, which is why the count rounds down
+    (chapter 07 measures both). A program of :data:`WHOLE_DV`'s tiles fills an SM alone: its caller passes
+    ``per_sm`` = :data:`WHOLE_DV_PER_SM`. On a short call the host's time is the call's time and every segment
+    adds launches (a pre-pass before each pass), so the backend passes ``short`` = :data:`SHORT_BLOCKS` on a GPU.
     """
     if seg_len is None:
         want = max(1, per_sm * sm_count // max(programs, 1))
@@ -359,12 +339,9 @@ WHOLE_DV = dict(block_dv=128, num_warps=8, num_stages=3)
 
 
 WHOLE_DV_PER_SM = 1
-"""Programs of :data:`WHOLE_DV`'s tiles that run on one SM at once (:func:`choose_segments`' ``per_sm``). At
-d = 128 three stages of 64-row tiles of q, k and v (48 KB a stage) and the state's 16-bit copy for its dot need
-more than half of an SM's 228 KB of shared memory, so one program holds the SM: 16 segments of a 16-head
-sequence (256 programs) are two waves on 132 SMs, 8 segments one wave, whose pre-pass re-reads 7/8 of K and V
-instead of 15/16, and 9 segments a second wave of 12 programs, the slowest of the three. Chapter 07 shows the
-measurements (``python -m benchmarks.segments``, notebooks/data/segments_h100.json)."""
+"""Programs of :data:`WHOLE_DV`'s tiles that run on one SM at once (:func:`choose_segments`' ``per_sm``): at d = 128
+three stages of 64-row tiles of q, k and v and the state's 16-bit copy take more than half of an SM's shared
+memory. Chapter 07 shows what the segment counts this gives cost (``python -m benchmarks.segments``)."""
 
 
 def whole_dv_forward(q, v) -> bool:
