@@ -1,4 +1,4 @@
-"""What the first call costs: compile time of the triton backend per (dtype, head dim), on a GPU. (Chapter 07.)
+"""What the first call costs: compile time of the triton backend per (dtype, head dim), on a GPU. (Chapter 14.)
 
     python -m benchmarks.first_call OUT.json
 

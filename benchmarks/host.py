@@ -1,5 +1,5 @@
 """What a short call costs the host: the triton backend's forward + backward, one layer of the call at a time.
-(Chapter 08.)
+(Chapter 14.)
 
     python -m benchmarks.host OUT.json [--d 64] [--T 256]
 

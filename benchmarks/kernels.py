@@ -1,5 +1,5 @@
 """The triton backend's kernels one by one under Nsight Compute: time, DRAM bytes, bandwidth, L2 hits,
-occupancy. (Chapters 07 and 08.)
+occupancy. (Chapter 14.)
 
     python -m benchmarks.kernels OUT.json [--D 128 64] [--T 8192 32768 131072] [--anchors]
 

@@ -1,5 +1,5 @@
 """The one-pass forward (chained scan, decoupled look-back) beside the backend's two-pass forward, on a GPU.
-(Chapter 07.)
+(Chapter 14.)
 
     python -m benchmarks.lookback OUT.json [--ncu]
 

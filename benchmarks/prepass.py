@@ -1,5 +1,5 @@
 """Which way the segment pre-pass sweeps: the backend's forward and forward + backward with each segment's local
-state summed from its start (the order Algorithm 1 walks) or from its end, on a GPU. (Chapter 07.)
+state summed from its start (the order Algorithm 1 walks) or from its end, on a GPU. (Chapter 14.)
 
     python -m benchmarks.prepass OUT.json
 

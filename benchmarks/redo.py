@@ -1,5 +1,5 @@
 """Where the exact pass runs: in a launch of its own after the fast kernel, or in the fast kernel's own program
-right after its sweep, on a GPU. (Chapter 07.)
+right after its sweep, on a GPU. (Chapter 14.)
 
     python -m benchmarks.redo OUT.json
 

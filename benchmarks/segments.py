@@ -1,4 +1,4 @@
-"""How many segments: the forward with d_v whole over segment counts, on a GPU. (Chapter 07.)
+"""How many segments: the forward with d_v whole over segment counts, on a GPU. (Chapter 14.)
 
     python -m benchmarks.segments OUT.json
 

@@ -1,5 +1,5 @@
 """Slices against segments: the forward with no backward to follow over how d_v is cut and how the sequence is
-cut, on a GPU. (Chapter 07.)
+cut, on a GPU. (Chapter 14.)
 
     python -m benchmarks.slices OUT.json [--T 32768 ...] [--D 64 128] [--segments 2 4 8 16] [--budget-s 400]
 

@@ -1,4 +1,4 @@
-"""la2_fast's forward with descriptor (TMA) loads beside its pointer kernel, on a GPU. (Chapter 07.)
+"""la2_fast's forward with descriptor (TMA) loads beside its pointer kernel, on a GPU. (Chapter 14.)
 
     python -m benchmarks.tma OUT.json
 

@@ -348,7 +348,7 @@ def la3_cost(n: int, d_k: int, d_v: int | None = None, chunk: int = 64, micro: i
 def one_pass_balance(d: int, seg_len: int, handoffs: int, *, elem_bytes: int = 2, state_bytes: int = 4) -> int:
     """Bytes of DRAM traffic a one-pass forward (:mod:`lightning_edu.triton_kernels.lookback`) saves per segment and
     (batch, head), against the two-pass forward, when L2 serves every second read of the segment's K and V.
-    (Chapter 07.)
+    (Chapter 14.)
 
     Saved: the second read of the segment's K and V from DRAM, ``seg_len`` rows of ``d`` elements each, of
     ``elem_bytes``. Paid: per state handed on (``handoffs``: 1 for the chained scan; 2 for the decoupled

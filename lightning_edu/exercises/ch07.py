@@ -234,7 +234,7 @@ def check_value_slice(value_slice, seed: int = 0) -> None:
         raise ExerciseError(
             f"value_slice chose d_v whole {where}: {_count(full[0], 'program')}, where 64-column slices make "
             f"{sliced[0]} in the same {_count(full[1], 'wave')}. On a tie take the more programs: more loads in "
-            "flight (chapter 07 measured the slices faster at 8K to 128K tokens)")
+            "flight (chapter 14, section 14.2, measured the slices faster at 8K to 128K tokens)")
     passed(f"value_slice chooses as the backend does in {len(cases)} cases, {whole} of them with d_v whole: pair "
            f"counts around one and two waves, two widths of d_v, {len(sm_counts)} GPUs of different sizes")
 

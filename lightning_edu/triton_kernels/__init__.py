@@ -30,7 +30,7 @@ Non-finite inputs stay causal in every kernel: a NaN or inf reaches exactly the 
 Each kernel runs a fast pass that flags the programs where a non-finite value showed up, then an exact pass
 over those programs only (masks that select, a sanitised operand: see ``_tiles``). Against single-pass kernels
 the second pass costs little where a call is long; where a call is short (d <= 64) its extra launches weigh
-(chapter 07). So the backend's kernels with 16-bit tiles at d <= 64 run the exact pass in the fast kernel's own
+(chapter 14, section 14.2). So the backend's kernels with 16-bit tiles at d <= 64 run the exact pass in the fast kernel's own
 program, right after its sweep, when its flag is set (``plan.redo_in_place``): three launches fewer per
 forward + backward.
 """

@@ -152,7 +152,7 @@ def _fast_launch(kernel, grid, *args, **meta):
 
     Why. A short call of the backend is bound by the host, a forward + backward launches 6 to 10 kernels, and
     each ``kernel[grid]`` launch does several times the work of the compiled kernel's own launcher (binding and
-    specialising 13 to 26 arguments, the cache key, the stream, launch metadata). Chapter 08 shows the host's
+    specialising 13 to 26 arguments, the cache key, the stream, launch metadata). Chapter 14, section 14.8, shows the host's
     time per call (``python -m benchmarks.host``, notebooks/data/host_h100.json).
 
     How. The key (:func:`launch_key`) holds everything Triton specialises a launch on, or finer: every constexpr
@@ -228,7 +228,7 @@ class LaunchPlan:
     Why. A short call is bound by the host, and the launchers' Python (tile choices, segment counts, grids,
     strides, launch keys) computes the same answers for every call with the same shapes. The backward is where
     this matters most: autograd runs it on a thread of its own, where the same Python took the host several
-    times as long (chapter 08, section 8.7).
+    times as long (chapter 14, section 14.8).
 
     What a plan may hold, checked as it is built (:func:`record_plan` returns None otherwise): every tensor
     handed to a kernel is either one of the call's inputs (the same object) or a buffer the launchers allocated
@@ -306,7 +306,7 @@ class LaunchPlan:
             # Every launch a compiled kernel's, on one device, and no launch hook set: each kernel's own launcher is
             # called as _run_compiled would call it, with the stream looked up once and neither launch metadata
             # (built only for a hook) nor hooks: the launcher alone costs the host less than _run_compiled's
-            # wrapper (chapter 08 gives the measurement).
+            # wrapper (chapter 14, section 14.8, gives the measurement).
             device, calls = self._direct
             stream = torch._C._cuda_getCurrentRawStream(device)
             for (allocs, rebuilt, _, _, pick), (run, x, y, z, function, packed) in zip(self._steps, calls):

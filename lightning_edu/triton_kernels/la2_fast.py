@@ -7,7 +7,7 @@ Four ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
    computes each segment's local state ``sum_s lambda^(end-1-s) k_s^T v_s`` (d_k x d_v, a few KB); the main
    kernel then starts segment j from ``sum_{i<j} lambda^((j-1-i) L) S_i`` (Horner's rule over the few
    earlier segments, read from L2) and runs Algorithm 1 over its own blocks. More programs, for a price in
-   bytes: the pre-pass reads K and V of every segment but the last a second time (measured in chapter 07).
+   bytes: the pre-pass reads K and V of every segment but the last a second time (measured in chapter 14, section 14.2).
 2. **16-bit dots.** Q, K, V stay bf16/fp16 in the dots, accumulating in fp32; the state stays fp32 and is
    rounded to 16 bits only as a dot operand. Decay factors scale fp32 results, not operands, where possible.
 3. **The backward is the forward in disguise.** With time reversed, dK and dV are causal decayed linear
@@ -16,12 +16,12 @@ Four ideas on top of :mod:`la2_literal`, each measured in chapter 07/08:
    dq_t = do_t sum_{s<=t} lambda^(t-s) v_s^T k_s is the forward with (dO, V, K). So the backward is three
    runs of the forward kernel. A fused reverse kernel for dK and dV (one shared state, fewer bytes) is kept
    as ``fused_dkdv=True``: it was slower, the fused kernel alone at its best tiles slower than the whole
-   three-forward backward (chapter 08): seven dots per block on a 128 x 128 fp32 state leave too few registers
+   three-forward backward (chapter 14, section 14.6): seven dots per block on a 128 x 128 fp32 state leave too few registers
    for the 64-row tiles.
 4. **Reuse states across passes.** The forward saves each segment's incoming state; the backward's dQ
    pass starts from them (transposed) instead of re-reading K and V, and dK reuses dV's segment states.
    It saves less than the bytes it spares predict: the passes are bound by the chain of dots inside each
-   program, not by bytes (chapter 08).
+   program, not by bytes (chapter 14).
 
 Non-finite inputs stay causal (a NaN or inf reaches exactly the outputs that depend on it), in the forward,
 in the three backward passes and in the fused dK/dV kernel: each kernel is a fast pass, which flags the
@@ -682,7 +682,7 @@ def la2_fast_backward(q, k, v, do, log2_decay, initial_state=None, d_final_state
     By default the backward is three runs of the forward kernel: dQ = forward(dO, V, K) from S0^T, and in
     reversed time dV = forward(K, Q, dO) and dK = forward(V, dO, Q). ``fused_dkdv=True`` runs dK and dV
     in one kernel over the shared state instead (fewer bytes, but 7 dots per block on a d_k x d_v fp32
-    state; slower, see chapter 08); it has its own tiles (dkdv_block, dkdv_warps, dkdv_stages).
+    state; slower, see chapter 14, section 14.6); it has its own tiles (dkdv_block, dkdv_warps, dkdv_stages).
 
     Two passes are saved on long sequences. ``saved`` (from ``la2_fast_forward(..., save_states=True)``)
     gives dQ every segment's incoming state KV^T, so it skips its pre-pass over K and V. And the dV and dK
@@ -782,7 +782,7 @@ def _fused_dkdv(q, k, v, do, log2_decay, block, block_dv, num_warps, num_stages,
     d_v = v.shape[-1]
     # dK, dV: one reverse sweep over the shared state dKV.
     block = dkdv_block or block
-    dkdv_stages = dkdv_stages or min(num_stages, 2)  # its tile sweep (chapter 08) went to 2 stages, the forward's to 3
+    dkdv_stages = dkdv_stages or min(num_stages, 2)  # its tile sweep (chapter 14, section 14.6) went to 2 stages, the forward's to 3
     if seg_len is not None and seg_len % block:
         seg_len = cdiv(seg_len, block) * block
     num_seg, seg_len_ = choose_segments(batch * heads, n, block, sm_count(q.device), seg_len, short_blocks(q.device))

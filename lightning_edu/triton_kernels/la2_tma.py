@@ -1,7 +1,7 @@
 """la2_fast's forward with its tiles loaded by Hopper's tensor memory accelerator (TMA). (Chapter 07.)
 
 The main forward kernel of :mod:`la2_fast` computes the address of every element it loads: a 64 x 128 tile of
-``Q`` is 8192 pointers, held in registers (chapter 07's Nsight Compute table shows the registers per thread at
+``Q`` is 8192 pointers, held in registers (chapter 14's Nsight Compute table shows the registers per thread at
 d = 128, and their spills). On Hopper GPUs a *tensor descriptor* (the tensor's base, shape and
 strides, and the tile's shape, ``triton.tools.tensor_descriptor.TensorDescriptor``) lets the kernel ask the
 TMA unit for a whole tile by its coordinates, ``desc.load([batch, head, row, column])``: the copy engine
@@ -14,7 +14,7 @@ and the exact pass. In time order only: the backward's reversed passes keep la2_
 
 The backend runs it (:func:`backend_takes`: 16-bit tiles, 64 < d <= 128, calls of 2^18 rows or more, compute
 capability 9.0 or later) as the fast pass of its passes in time order, the forward and the backward's dQ pass; its
-launch plans (:class:`~._tiles.LaunchPlan`) rebuild each descriptor on the replayed call's tensors. Chapter 07
+launch plans (:class:`~._tiles.LaunchPlan`) rebuild each descriptor on the replayed call's tensors. Chapter 14
 measures the kernel against la2_fast's (``python -m benchmarks.tma``) and the backend with and without it
 (``python -m benchmarks.bench``, method ``triton_pointers``; notebooks/data/bench_h100_d128.json): with
 descriptors the forward was faster at every length measured (from 32K on with

@@ -1,4 +1,4 @@
-"""One pass instead of two: the forward with a chained scan or a decoupled look-back. (Chapter 07.)
+"""One pass instead of two: the forward with a chained scan or a decoupled look-back. (Chapter 14.)
 
 The backend's forward (:mod:`la2_fast`) reads K and V twice on a long sequence: a pre-pass computes every
 segment's local state, then the main kernel starts each segment from the states before it. This module
@@ -22,7 +22,7 @@ tries the other way, one kernel, in which the segments hand their states to each
 4. It sweeps its blocks from ``S_s`` (Algorithm 1), reading K and V a second time. If the segment is short
    enough, they are still in L2 from step 2: K and V come from DRAM once.
 
-It does not pay: it was slower than the two passes at every shape measured (chapter 07,
+It does not pay: it was slower than the two passes at every shape measured (chapter 14,
 ``python -m benchmarks.lookback``, notebooks/data/lookback_h100.json). The price is in states: each
 segment writes one or two d_k x d_v float32 states (64 KB at d = 128) and reads one or more, which costs as
 many bytes as L2 saves for segments up to 2d rows (4d with the look-back), while the segment must be short for

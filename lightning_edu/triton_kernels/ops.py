@@ -202,7 +202,7 @@ def _replayed(plans: dict, key: tuple | None, inputs: tuple, prepare):
 def _first_call(q, k, v, log2_decay, initial_state, block_size, save_states, num_segments) -> None:
     """On a configuration's first call on a GPU, compile the kernels of its forward, and of its backward when
     one may follow (``save_states``), side by side (:func:`~._tiles.compile_ahead`): the launchers run once on
-    these tensors without launching. Chapter 07 shows what it saves (``python -m benchmarks.first_call``,
+    these tensors without launching. Chapter 14, section 14.8, shows what it saves (``python -m benchmarks.first_call``,
     notebooks/data/first_call_h100.json).
     What it costs besides: for that moment the device holds the buffers a forward + backward allocates (o, the
     states, dq, dk, dv), freed before the call itself runs."""
@@ -365,7 +365,7 @@ class EagerLA2(torch.autograd.Function):
 
     Why a second door to the same kernels. Through the dispatcher each custom-op call pays for its schema
     handling, the autograd wrapper that ``register_autograd`` installs, and the alias checks on its outputs, a
-    host cost several times that of the replayed kernels of a short sequence (chapter 08;
+    host cost several times that of the replayed kernels of a short sequence (chapter 14, section 14.8;
     ``python -m benchmarks.host``, notebooks/data/host_h100.json).
     :func:`~lightning_edu.triton_kernels.triton_attention` takes this door for plain tensors in eager mode when a
     gradient may follow (with none to follow it calls :func:`forward_impl` alone), and the op under

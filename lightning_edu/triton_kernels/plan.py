@@ -59,7 +59,7 @@ descriptors where :func:`backend_takes` says so. False runs la2_fast's pointer k
 bfloat16 and float32 keys only). The main pass reads each segment from its start, so summed from its end the rows
 the pre-pass read last are the rows the main pass reads first, and some of them are still in L2. Off: it paid too
 little, and not everywhere: the forward alone gained a little or tied, and a long forward + backward at d = 128
-ran slower. Chapter 07 shows the measurements (``python -m benchmarks.prepass``,
+ran slower. Chapter 14, section 14.4, shows the measurements (``python -m benchmarks.prepass``,
 notebooks/data/prepass_h100.json).
     """
 
@@ -167,7 +167,7 @@ def kernel_config(d_k: int, d_v: int, dtype: torch.dtype, block_size: int | None
     the rows.
 
     * 16-bit tiles: 64-row blocks (32 above d = 128), three pipeline stages up to d = 64 and two above, d_v in
-      64-column slices above d = 64: the fastest of chapter 07's tile sweep (``bench --tune``, its records).
+      64-column slices above d = 64: the fastest of the tile sweep of chapter 14, section 14.6 (``bench --tune``, its records).
     * Unless the slices would not fit in one wave: with more (batch, head) pairs than SMs, 64 < d <= 128 takes d_v
       whole (8 warps for the d x d float32 state, 3 stages), one program per pair instead of two.
     * float32: 16-row blocks up to d = 128, because its exact dots run on the FMA units and a larger tile is a longer
@@ -231,7 +231,7 @@ def prepass_tiles(dtype, seg_len: int, block: int, num_warps: int, num_stages: i
     """(block, num_warps, num_stages) of the segment pre-pass (``_segment_state_kernel``) for 16-bit inputs: 32-row
     blocks, 4 warps, 4 stages. The pre-pass only streams K and V through one dot per block, so it wants more
     loads in flight than the main kernel's tiles give it; with these it ran faster than on the forward's tiles
-    (64 rows, 4 warps, 2 stages) at every length measured (chapter 07). Other dtypes, and segments that are not
+    (64 rows, 4 warps, 2 stages) at every length measured (chapter 14, section 14.6). Other dtypes, and segments that are not
     whole 32-row blocks, keep the given tiles.
 
     The pre-pass keeps the forward's 64-column slices of d_v, so at d = 128 it reads K once per slice. Other
@@ -283,7 +283,7 @@ def choose_segments(programs: int, n: int, block: int, sm_count: int, seg_len: i
 
     Two programs of the backend's 16-bit kernels fit on an SM at once, so ``per_sm * sm_count`` programs are one
     wave; one program more starts a second wave in which most SMs wait, which is why the count rounds down
-    (chapter 07 measures both). A program of :data:`WHOLE_DV`'s tiles fills an SM alone: its caller passes
+    (chapter 14, section 14.2, measures both). A program of :data:`WHOLE_DV`'s tiles fills an SM alone: its caller passes
     ``per_sm`` = :data:`WHOLE_DV_PER_SM`. On a short call the host's time is the call's time and every segment
     adds launches (a pre-pass before each pass), so the backend passes ``short`` = :data:`SHORT_BLOCKS` on a GPU.
     """
@@ -309,12 +309,12 @@ def sliced_forward(batch_heads: int, n: int, d_v: int, block: int, sm_count: int
 
     Segments and slices both add programs. A segment re-reads K and V from HBM in the pre-pass; a slice re-reads
     Q and K, but at the same time as the other slices of its (batch, head) (one wave), and L2 serves the reads:
-    the sliced forward reads about the three tensors' worth of bytes of q, k and v from DRAM (chapter 07's
+    the sliced forward reads about the three tensors' worth of bytes of q, k and v from DRAM (chapter 14's
     profile, ``python -m benchmarks.kernels``).
     Where the usual 64-column slices leave SMs idle (``batch_heads * cdiv(d_v, 64) < sm_count``) and 32-column
     slices fill them, one segment of 32-column slices skips the pre-pass. Enough means: with at most two slices
     (d_v <= 64) one program per SM, less a tenth; with more (d_v <= 128) two per SM, less an eighth, since each
-    slice repeats the scores tile; below those counts the usual plan was as fast or faster (chapter 07).
+    slice repeats the scores tile; below those counts the usual plan was as fast or faster (chapter 14, section 14.2).
     With a backward to follow the forward keeps its segments: their saved states spare the dQ pass its
     pre-pass. Three pipeline stages, the faster of two and three."""
     slices = cdiv(d_v, SLICE)
@@ -341,7 +341,7 @@ WHOLE_DV = dict(block_dv=128, num_warps=8, num_stages=3)
 WHOLE_DV_PER_SM = 1
 """Programs of :data:`WHOLE_DV`'s tiles that run on one SM at once (:func:`choose_segments`' ``per_sm``): at d = 128
 three stages of 64-row tiles of q, k and v and the state's 16-bit copy take more than half of an SM's shared
-memory. Chapter 07 shows what the segment counts this gives cost (``python -m benchmarks.segments``)."""
+memory. Chapter 14, section 14.2, shows what the segment counts this gives cost (``python -m benchmarks.segments``)."""
 
 
 def whole_dv_forward(q, v) -> bool:
@@ -351,7 +351,7 @@ def whole_dv_forward(q, v) -> bool:
 
     With pointer loads d_v whole was the slower tiles wherever the slices fit in one wave (its 128 x 128 float32
     state spilled registers); through descriptors it became the fastest segmented tiles on the longest sequences
-    and costs nothing on shorter ones (chapter 07; ``python -m benchmarks.tma``,
+    and costs nothing on shorter ones (chapter 14, section 14.5; ``python -m benchmarks.tma``,
     notebooks/data/tma_h100.json). A backward keeps the slices: its
     reversed passes load through pointers, where d_v whole is slower (:func:`~lightning_edu.triton_kernels.kernel_config`),
     and the forward that saves states for it shares its tiles."""
@@ -389,14 +389,14 @@ MIN_ROWS = 2**18
 def backend_takes(q, v) -> bool:
     """Whether the backend's passes in time order on tensors like q (batch, heads, n, d_k) and v (..., d_v) take
     descriptor tiles (:attr:`Settings.tma` on): 16-bit tiles on a GPU of compute capability 9.0 or later, with
-    64 < max(d_k, d_v) <= 128, and at least :data:`MIN_ROWS` rows, where they were measured faster (chapter 07).
+    64 < max(d_k, d_v) <= 128, and at least :data:`MIN_ROWS` rows, where they were measured faster (chapter 14, section 14.5).
     The launchers still ask :func:`tma_ready` of the call's tensors.
 
     Why a least size. A descriptor costs the host: built at every call (or rebuilt at every replay), and encoded
     again by Triton's launcher at every launch; a forward + backward takes eight. A short call is bound by the
     host, and there the descriptors made it slower (``bench --tiny``, notebooks/data/tiny_tma_h100.json). From
     about 2^18 rows on, the GPU's time for a forward + backward at d = 128 passes the host's for the call, which
-    then overlaps it, and the descriptors were faster at every length measured (chapter 07)."""
+    then overlaps it, and the descriptors were faster at every length measured (chapter 14, section 14.5)."""
     return (settings().tma and q.dtype in (torch.float16, torch.bfloat16) and 64 < max(q.shape[-1], v.shape[-1]) <= 128
             and q.shape[0] * q.shape[1] * q.shape[2] >= MIN_ROWS and q.is_cuda and not interpreted(q)
             and _capability(q.device.index) >= (9, 0))
@@ -422,6 +422,6 @@ def redo_in_place(dtype, state_rows: int, state_cols: int) -> bool:
     In place, a forward + backward at d = 64 launches 5 kernels instead of 8 and compiles 5 instead of 8: the
     kernels' own time barely moves, and a short call, bound by the host, gets shorter. At d = 128 a call is long,
     the launches saved are worth little, and in place a 128 x 128 state (d_v whole) ran slower. float32 tiles, the
-    spilling kind, keep two launches. Chapter 07 shows the measurements (``python -m benchmarks.redo``,
+    spilling kind, keep two launches. Chapter 14, section 14.2, shows the measurements (``python -m benchmarks.redo``,
     notebooks/data/redo_h100.json)."""
     return settings().exact_in_place and dtype in (torch.float16, torch.bfloat16) and state_rows * state_cols <= REDO_STATE
