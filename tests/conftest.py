@@ -53,12 +53,20 @@ GPU_RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
                           "gpu_check_h200.json")
 
 
+def _case_key(node_id: str) -> str:
+    """A case's node id without the folders of its file (test_x.py::test_y[p]): the key survives a file's move
+    into another folder of tests/, and test file names are unique across the folders."""
+    path, sep, rest = node_id.partition("::")
+    return path.rpartition("/")[2] + sep + rest
+
+
 def _recorded_gpu_seconds() -> dict:
-    """Each GPU case's seconds in the last GPU check (.ci/gpu-check's record), by node id; empty without one."""
+    """Each GPU case's seconds in the last GPU check (.ci/gpu-check's record), by :func:`_case_key`; empty without
+    one."""
     try:
         with open(GPU_RECORD) as f:
-            return json.load(f)["results"]["tests"]["durations_s"]
-    except (OSError, ValueError, KeyError, TypeError):
+            return {_case_key(k): v for k, v in json.load(f)["results"]["tests"]["durations_s"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 
 
@@ -75,7 +83,7 @@ def pytest_collection_modifyitems(config, items):
         return marker.args[0] if marker is not None else None
 
     if seconds:
-        own = {item.nodeid: seconds.get(item.nodeid.split("@")[0], 5.0) for item in items}
+        own = {item.nodeid: seconds.get(_case_key(item.nodeid.split("@")[0]), 5.0) for item in items}
         totals = {}
         for item in items:
             totals[group(item)] = totals.get(group(item), 0.0) + own[item.nodeid]

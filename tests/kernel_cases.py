@@ -43,7 +43,7 @@ def skip_reason(device: str) -> str | None:
 def marks(device: str) -> list:
     """The marks of a case on ``device``: ``gpu`` for cuda, and a skip where :func:`skip_reason` gives one.
 
-    Also usable as a module's ``pytestmark`` for a file whose every test needs one device (tests/test_no_sync.py)."""
+    Also usable as a module's ``pytestmark`` for a file whose every test needs one device (tests/triton_kernels/test_no_sync.py)."""
     out = [pytest.mark.gpu] if device == "cuda" else []
     reason = skip_reason(device)
     if reason is not None:

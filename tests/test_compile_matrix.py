@@ -8,11 +8,11 @@ compiler fuses around them may round differently (COMPILED_VS_EAGER).
 
 * "cpu": backend="aot_eager" (Dynamo and AOTAutograd, no code generation), the triton backend in Triton's CPU
   interpreter (float32), and one case through Inductor (C++ code for the torch backend's graph, forward and
-  backward). tests/test_compile.py holds the triton backend's own compile tests (lightning_attention with a float,
+  backward). tests/triton_kernels/test_compile.py holds the triton backend's own compile tests (lightning_attention with a float,
   a list, a learnable decay, states in and out, Inductor): they are not repeated here.
 * "cuda": Inductor in bfloat16 (Triton code generated around the custom ops, and for the whole torch backend).
 
-The triton backend's decoding steps are compiled in tests/test_triton_decode.py, beside their custom op.
+The triton backend's decoding steps are compiled in tests/triton_kernels/test_triton_decode.py, beside their custom op.
 
 Refused combinations are refused under compile too: Dynamo, with ``fullgraph=True``, reports an exception raised
 while it traces as an ``Unsupported`` error whose text carries the exception (type and message), and without
@@ -138,8 +138,8 @@ def _assert_compiled_matches_eager(fn, inputs, compiler, dtype, compiled=None):
 
 
 # name, backend, decay form. Every public function on the torch backend, every decay form among them (a float and
-# a list take one path: Python floats, constants of the graph); on the triton backend what tests/test_compile.py
-# does not compile (the steps: tests/test_triton_decode.py).
+# a list take one path: Python floats, constants of the graph); on the triton backend what tests/triton_kernels/test_compile.py
+# does not compile (the steps: tests/triton_kernels/test_triton_decode.py).
 MATRIX = [
     ("attention", "torch", "list"), ("attention", "torch", "learnable"),
     ("backward_packed", "torch", "tensor"),
@@ -154,7 +154,7 @@ MATRIX = [
 ]
 # On a GPU, Inductor: each case is one more Inductor compile (20-40 s of a GPU machine's CPU), so each function
 # on each backend once, its decay learnable where it may be (the forms' paths through validation are the CPU's
-# cases), and lightning_attention on the triton backend left to tests/test_compile.py's Inductor cases. The hybrid:
+# cases), and lightning_attention on the triton backend left to tests/triton_kernels/test_compile.py's Inductor cases. The hybrid:
 # test_compiled_hybrid_on_gpu.
 GPU_MATRIX = [
     ("attention", "torch", "learnable"), ("packed", "torch", "list"), ("packed", "triton", "learnable"),
@@ -220,7 +220,7 @@ def test_inductor_compiles_the_torch_backend(device, backend):
 @cases("backend", {"cpu": ["torch"], "cuda": ["torch", "triton"]})
 def test_compiled_decoder_matches_eager(device, backend):
     """models.Decoder(attention="lightning"): its decay is a float32 buffer, a tensor of the graph under compile.
-    The logits and the gradient of every parameter. (On the CPU the triton backend's layer is tests/test_compile.py's
+    The logits and the gradient of every parameter. (On the CPU the triton backend's layer is tests/triton_kernels/test_compile.py's
     module.)"""
     torch.manual_seed(0)
     model = models.Decoder(64, d_model=32, heads=2, layers=1, attention="lightning", backend=backend).to(device)

@@ -15,9 +15,10 @@ spec.loader.exec_module(gpu_check)
 
 
 @pytest.mark.parametrize("junit, node", [
-    ("tests.test_triton_la2::test_variant[cuda-la3-1x2x4099x128x128]@la3 fp32 d=128",
-     "tests/test_triton_la2.py::test_variant[cuda-la3-1x2x4099x128x128]"),
-    ("tests.test_no_sync::test_x[a.b]", "tests/test_no_sync.py::test_x[a.b]"),
+    ("tests.triton_kernels.test_triton_la2::test_variant[cuda-la3-1x2x4099x128x128]@la3 fp32 d=128",
+     "tests/triton_kernels/test_triton_la2.py::test_variant[cuda-la3-1x2x4099x128x128]"),
+    ("tests.triton_kernels.test_no_sync::test_x[a.b]", "tests/triton_kernels/test_no_sync.py::test_x[a.b]"),
+    ("tests.test_registry::test_x[a.b]", "tests/test_registry.py::test_x[a.b]"),
     ("notebooks.08_triton_backward.ipynb::Cell 30", "notebooks/08_triton_backward.ipynb::Cell 30"),
 ])
 def test_junit_names_become_the_node_ids_conftest_orders_by(junit, node):

@@ -89,3 +89,14 @@ def test_every_name_in_all_is_defined(module):
     mod = importlib.import_module(module)
     missing = [name for name in getattr(mod, "__all__", ()) if not hasattr(mod, name)]
     assert not missing, f"{module}.__all__ names what it does not define: {missing}"
+
+
+def test_tests_mirror_the_package_folders_and_their_file_names_are_unique():
+    # tests/<folder>/ for lightning_edu/<folder>/ (and benchmarks/, the drivers); the files' names unique across the
+    # folders (pytest imports each test file by its name; tests/conftest.py keys the GPU durations by it).
+    tests = Path(__file__).parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    package = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders and folders <= package | {"benchmarks"}, folders - package
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

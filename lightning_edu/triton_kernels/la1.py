@@ -369,7 +369,7 @@ def _prepare(who, q, k, v, decay, block_size, do=None):
     # Shapes, devices, fp32/fp16/bf16, decay in (0, 1], block a power of two >= 16: all in validation.py.
     args = validate_attention_args(q, k, v, decay, backend="triton", block_size=block_size, do=do)
     refuse_interpreted_bf16(who, q, k, v, do)  # the CPU interpreter's bf16 arithmetic is wrong
-    validate_head_dims(args.d_k, args.d_v, 128, "la1")  # tested up to d = 128 (tests/test_triton_la1.py, cuda cases)
+    validate_head_dims(args.d_k, args.d_v, 128, "la1")  # tested up to d = 128 (tests/triton_kernels/test_triton_la1.py, cuda cases)
     # fp32 tiles are twice as wide in bytes: 32 rows keep the pipelined K/V tiles inside shared memory at d = 128.
     block = args.block_size or ((32 if q.dtype == torch.float32 else 64) if q.is_cuda else 16)
     decay_t = device_decay(args.decay, q.device, torch.float32)

@@ -32,7 +32,7 @@ Non-finite inputs stay causal, as in every kernel of the package: the program fl
 non-finite, and la2_fast's exact pass redoes the flagged segments from the incoming states this kernel
 leaves behind. bfloat16 is refused in the CPU interpreter, which computes it wrongly. The interpreter runs
 programs one at a time, in order: there every wait ends at once and the look-back never walks past one
-segment. The waits and the walk are exercised by the GPU cases of ``tests/test_triton_lookback.py``.
+segment. The waits and the walk are exercised by the GPU cases of ``tests/triton_kernels/test_triton_lookback.py``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from benchmarks import tgs
 from lightning_edu.models.tgs import fit_tgs
 from lightning_edu.models.tgs import MODELS, PAPER_TABLE1, build
 
-DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
+DATA = Path(__file__).resolve().parents[2] / "notebooks" / "data"
 HAS_FLA = importlib.util.find_spec("fla") is not None
 
 

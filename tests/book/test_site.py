@@ -33,7 +33,7 @@ import pytest
 from lightning_edu.book import Chapter, chapters, load_config
 from lightning_edu.book import site
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM_ARGS = [

@@ -18,7 +18,7 @@ from benchmarks import quality as quality_cli
 from lightning_edu.models import quality
 from lightning_edu.models.quality import KINDS, PRESETS, lm_run, mqar_run
 
-DATA = Path(__file__).resolve().parents[1] / "notebooks" / "data"
+DATA = Path(__file__).resolve().parents[2] / "notebooks" / "data"
 
 
 @pytest.fixture(autouse=True)

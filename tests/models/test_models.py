@@ -383,7 +383,7 @@ def test_softmax_model_learns_mqar_values(torch_threads):
     # log(32); uniform over the 16 value tokens log(16), 80 % of that; uniform over the 4 values of its own
     # sequence log(4), 40 %. Below 60 % the model prefers the values in its sequence: the first step towards
     # recall (which needs two layers: one to copy each key into its value's position, one to match the query),
-    # not recall itself (tests/test_lm_quality.py checks recall, with quality.mqar_run's recipe). After 150
+    # not recall itself (tests/models/test_lm_quality.py checks recall, with quality.mqar_run's recipe). After 150
     # steps the loss is at about 50 % of the first (seeds 0 to 3, when this was written).
     torch.manual_seed(0)
     model = Decoder(32, 32, 4, 2, "softmax", max_len=32)

@@ -15,7 +15,7 @@ import pytest
 from lightning_edu.book import results
 from lightning_edu.book.__main__ import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "notebooks" / "data"
 LIBRARIES = ("fla_chunk", "fla_fused_chunk", "original", "sdpa_cudnn", "sdpa_flash")
 

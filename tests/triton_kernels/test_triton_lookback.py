@@ -108,7 +108,7 @@ def test_lookback_record_covers_every_shape_and_way():
 
     from benchmarks import lookback as perf_lookback
 
-    record = json.loads((Path(__file__).resolve().parent.parent / "notebooks" / "data" / "lookback_h100.json").read_text())
+    record = json.loads((Path(__file__).resolve().parents[2] / "notebooks" / "data" / "lookback_h100.json").read_text())
     assert [(r["d"], r["T"]) for r in record["results"]] == list(perf_lookback.SHAPES)
     for row in record["results"]:
         assert sorted((x["seg_len"], x["lookback"]) for x in row["variants"]) == sorted(

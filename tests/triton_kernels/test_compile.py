@@ -12,7 +12,7 @@ Each test runs on one device (tests/kernel_cases.py):
 
 Compiled and eager runs launch the same kernels on the same inputs, so they agree to the rounding of what is
 computed around them (COMPILED_VS_EAGER); both are also checked against the float64 numpy backend on the same
-rounded inputs at the bounds of tests/test_triton_la2.py (BOUNDS).
+rounded inputs at the bounds of tests/triton_kernels/test_triton_la2.py (BOUNDS).
 """
 
 import numpy as np
@@ -27,7 +27,7 @@ from lightning_edu.triton_kernels import la2_backward, la2_forward, log2_decay_t
 from lightning_edu.triton_kernels.la2_fast import la2_fast_forward
 from lightning_edu.triton_kernels.ops import launch_plan
 
-# Against float64 numpy on the same rounded inputs, per dtype: tests/test_triton_la2.py's bounds.
+# Against float64 numpy on the same rounded inputs, per dtype: tests/triton_kernels/test_triton_la2.py's bounds.
 BOUNDS = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # Compiled against eager, the same kernels on the same inputs: in fp32 in the interpreter they agree to 1e-6; in bf16
 # on a GPU Inductor rounds the glue it fuses around the op (1e-2).

@@ -10,7 +10,7 @@ import pytest
 from benchmarks import kernels
 from lightning_edu.book import profiles
 
-RECORD = Path(__file__).resolve().parent.parent / "notebooks" / "data" / "kernels_h100.json"
+RECORD = Path(__file__).resolve().parents[2] / "notebooks" / "data" / "kernels_h100.json"
 
 # What `ncu --csv --page raw` prints, cut down to a few columns: its notes, a header, the units, then one row per
 # launch, numbers with thousands separators.

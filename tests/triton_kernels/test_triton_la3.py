@@ -6,7 +6,7 @@ shapes with explicit tiles and segment lengths; "cuda" on a GPU, every tile choi
 (the forward's saved segment states given), and the shared-memory claim read from the compiled kernels.
 
 The reference is float64 Algorithm 2 in numpy on the *same rounded* inputs. Bounds (relative Frobenius error, per
-dtype), BOUNDS below, those of tests/test_triton_la2.py: fp32 1e-5 (IEEE fp32 dots), fp16 5e-3 and bf16 2e-2
+dtype), BOUNDS below, those of tests/triton_kernels/test_triton_la2.py: fp32 1e-5 (IEEE fp32 dots), fp16 5e-3 and bf16 2e-2
 (16-bit dot operands and 16-bit copies of the fp32 states; gradients rounded to the input dtype).
 """
 

@@ -1,7 +1,7 @@
 """README.md is the book's front door: short, its taste of the package runs, and its CPU-only advice comes first.
 
 The README's commands, chapter table and headline table are checked where they are made: tests/test_packaging.py
-(the two commands, the chapter table), tests/test_site.py (the command that opens the book), tests/test_results.py
+(the two commands, the chapter table), tests/book/test_site.py (the command that opens the book), tests/book/test_results.py
 (the headline table, against the records).
 """
 
@@ -12,7 +12,7 @@ import io
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def readme() -> str:

@@ -17,7 +17,7 @@ from benchmarks import bench
 from lightning_edu import book, costs
 from lightning_edu.models.decay import head_decays
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_hbm_floor_counts_four_tensors_forward_and_seven_backward():
