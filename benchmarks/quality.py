@@ -26,16 +26,36 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--only", choices=("lm", "mqar"), default=None)
     parser.add_argument("--budget", type=float, default=math.inf, help="seconds; later runs are skipped past it")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="seeds of every run (default: the preset's for the language model, 0 for MQAR)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps of every run (default: the preset's)")
+    parser.add_argument("--pairs", type=int, nargs="+", default=None, help="MQAR's pair counts (default: the preset's)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
-    preset = PRESETS[args.preset]
+    for name in ("seeds", "pairs"):
+        if getattr(args, name) is not None and len(set(getattr(args, name))) != len(getattr(args, name)):
+            parser.error(f"--{name} lists a value twice: {getattr(args, name)}")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.pairs is not None and min(args.pairs) < 1:
+        parser.error(f"--pairs must be at least 1, got {args.pairs}")
+    preset = {name: dict(cfg) for name, cfg in PRESETS[args.preset].items()}
+    for cfg in preset.values():
+        if args.steps is not None:
+            cfg["steps"] = args.steps
+    if args.seeds is not None:
+        preset["lm"]["seeds"] = tuple(args.seeds)
+    mqar_seeds = tuple(args.seeds) if args.seeds is not None else (0,)
+    if args.pairs is not None:
+        preset["mqar"]["pairs"] = tuple(args.pairs)
     device = "cuda" if args.preset == "gpu" else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("quality: --preset gpu needs a CUDA GPU; use --preset cpu here")
     autocast_dtype = torch.bfloat16 if device == "cuda" else None
     command = "python -m benchmarks.quality " + " ".join(argv)
     record = {**environment_record(command, device=device), "preset": args.preset, "config": preset,
+              "mqar_seeds": list(mqar_seeds),
               "autocast": str(autocast_dtype), "results": [], "skipped": []}
     start = time.perf_counter()
 
@@ -59,13 +79,15 @@ def main(argv=None) -> int:
                     print(f"lm {kind} seed {seed}: {r['best_valid_loss']:.4f}", flush=True)
                     save()
     if args.only in (None, "mqar"):
-        for pairs in preset["mqar"]["pairs"]:
-            for kind in args.kinds:
-                if not over_budget(f"mqar {kind} pairs {pairs}"):
-                    r = {"experiment": "mqar", **mqar_run(kind, preset["mqar"], pairs, 0, device, autocast_dtype)}
-                    record["results"].append(r)
-                    print(f"mqar {kind} {pairs}: {r['accuracy']:.3f} ({r['seconds']:.1f} s)", flush=True)
-                    save()
+        for seed in mqar_seeds:  # seeds outermost: a run cut short by the budget has every cell at one seed first
+            for pairs in preset["mqar"]["pairs"]:
+                for kind in args.kinds:
+                    what = f"mqar {kind} pairs {pairs}" + (f" seed {seed}" if len(mqar_seeds) > 1 else "")
+                    if not over_budget(what):
+                        r = {"experiment": "mqar", **mqar_run(kind, preset["mqar"], pairs, seed, device, autocast_dtype)}
+                        record["results"].append(r)
+                        print(f"mqar {kind} {pairs} seed {seed}: {r['accuracy']:.3f} ({r['seconds']:.1f} s)", flush=True)
+                        save()
     save()
     return 0
 

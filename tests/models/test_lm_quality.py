@@ -514,7 +514,7 @@ def test_main_trains_tiny_preset(tmp_path, monkeypatch, capsys, corpus):
     for r in lm:
         assert f"lm {r['kind']} seed 0: {r['best_valid_loss']:.4f}" in printed
     for r in mqar:
-        assert f"mqar {r['kind']} {r['pairs']}: {r['accuracy']:.3f}" in printed
+        assert f"mqar {r['kind']} {r['pairs']} seed 0: {r['accuracy']:.3f}" in printed
 
 
 @pytest.mark.parametrize("only", ["lm", "mqar"])
@@ -618,3 +618,34 @@ def test_recorded_mqar():
     assert done | left == {(k, p) for k in KINDS for p in cfg["pairs"]}
     for r in runs:
         assert set(r) >= MQAR_KEYS
+
+
+def test_main_runs_mqar_over_seeds_steps_and_pairs_given_on_the_command_line(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_mqar(kind, cfg, pairs, seed, device, autocast_dtype):
+        calls.append((seed, pairs, kind, cfg["steps"]))
+        return {"kind": kind, "pairs": pairs, "seed": seed, "accuracy": 0.5, "final_loss": 1.0,
+                "loss_curve": [[1, 1.0]], "seconds": 0.0}
+
+    monkeypatch.setattr(quality_cli, "mqar_run", fake_mqar)
+    out = tmp_path / "q.json"
+    assert quality_cli.main(["--kinds", "softmax", "elu", "--only", "mqar", "--seeds", "3", "1", "--steps", "7",
+                             "--pairs", "2", "5", "--out", str(out)]) == 0
+    # seeds outermost, then pairs, then kinds; every run at the steps asked for
+    assert calls == [(s, p, k, 7) for s in (3, 1) for p in (2, 5) for k in ("softmax", "elu")]
+    record = json.loads(out.read_text())
+    assert record["mqar_seeds"] == [3, 1] and record["config"]["mqar"]["steps"] == 7
+    assert record["config"]["mqar"]["pairs"] == [2, 5] and PRESETS["cpu"]["mqar"]["steps"] != 7  # the preset untouched
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "1", "1"], "--seeds lists a value twice"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--pairs", "0"], "--pairs must be at least 1"),
+])
+def test_main_refuses_bad_seeds_steps_and_pairs_and_writes_nothing(argv, message, tmp_path, capsys):
+    out = tmp_path / "q.json"
+    with pytest.raises(SystemExit) as exc:
+        quality_cli.main([*argv, "--only", "mqar", "--out", str(out)])
+    assert exc.value.code == 2 and message in capsys.readouterr().err and not out.exists()
