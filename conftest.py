@@ -19,7 +19,7 @@ def pytest_configure(config):
     """nbval's notebook kernels talk over Unix sockets in a folder of this run's own, not over TCP ports:
     jupyter_client picks a port, frees it and hands it to the kernel to bind, so another process on the machine can
     take it in between (the course pipeline's autograde kernels once waited ten minutes on one;
-    tests/test_assignments.py does the same for them)."""
+    tests/exercises/test_assignments.py does the same for them)."""
     if os.name != "posix":
         return
     try:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # Not GPU tests, and costly to collect: the course pipeline starts nbgrader at collection.
-NOT_COLLECTED = ("tests/test_assignments.py", "tests/test_exercise_robustness.py", "tests/test_notebook_format.py")
+NOT_COLLECTED = ("tests/exercises/test_assignments.py", "tests/exercises/test_exercise_robustness.py", "tests/test_notebook_format.py")
 
 
 def refuse(message: str) -> None:

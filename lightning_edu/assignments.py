@@ -23,6 +23,13 @@ chapters given has, a chapter that is not in the book, a missing or unreadable n
 file, a file system that refuses the writes) prints one line naming the problem and exits with status 2, having
 changed nothing: every notebook is read and normalised before the first write, and a write that fails takes back
 the others. INSTRUCTORS.md walks through a whole course.
+
+The course's ``nbgrader_config.py`` (:data:`CONFIG_TEMPLATE`) has ``nbgrader autograde`` grade what survives, with
+two of nbgrader's preprocessors replaced by those here (made on first use, nbgrader being needed only for a
+course): :class:`OverwriteCheckCells` puts back a check cell a student deleted, and the log names the check cells
+deleted or edited (not every check cell, as nbgrader's own warning on the hidden tests does);
+:class:`ExecuteSurviving` restarts a kernel that dies in a cell, runs the cells before it again and goes on, so
+that the exercises after it are graded and the feedback written.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import nbformat
 
 __all__ = [
     "NotNormalisable", "Exercise", "exercises", "normalise", "problems", "points_table", "student_source",
-    "layout_course", "CONFIG_TEMPLATE",
+    "layout_course", "CONFIG_TEMPLATE", "without_hidden_tests",
 ]
 
 BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
@@ -460,6 +467,194 @@ def student_source(nb):
     return nb
 
 
+# ------------------------------------------------------------------------------------------- autograding
+
+# nbgrader's own lists with two of their preprocessors replaced (CONFIG_TEMPLATE): what `nbgrader autograde` runs.
+_GRADE_ID = re.compile(r"^ex-(\d+)-(\d+)-(check|answer(?:-\d+)?|statement)$")
+
+
+def _cell_words(grade_id: str) -> str:
+    """How the log names a cell: "the check cell of exercise 9.2 (ex-9-2-check)"."""
+    match = _GRADE_ID.match(grade_id or "")
+    if not match:
+        return f"cell {grade_id}"
+    kind = {"check": "check cell", "statement": "statement"}.get(match.group(3), "answer cell")
+    return f"the {kind} of exercise {match.group(1)}.{match.group(2)} ({grade_id})"
+
+
+def without_hidden_tests(source: str) -> str:
+    """A check cell as the students get it: the lines between the hidden-test markers taken out, markers included
+    (what nbgrader's ClearHiddenTests does)."""
+    kept, inside = [], False
+    for line in source.split("\n"):
+        if BEGIN_HIDDEN.removeprefix("### ") in line:
+            inside = True
+        elif END_HIDDEN.removeprefix("### ") in line:
+            inside = False
+        elif not inside:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def _same_code(a: str, b: str) -> bool:
+    """Equal sources but for trailing spaces and blank lines at the end (what an editor may change)."""
+    def lines(text):
+        out = [line.rstrip() for line in text.split("\n")]
+        while out and not out[-1]:
+            out.pop()
+        return out
+    return lines(a) == lines(b)
+
+
+def _is_check_cell(cell) -> bool:
+    meta = cell.get("metadata", {}).get("nbgrader", {})
+    return bool(meta.get("grade")) and not meta.get("solution")
+
+
+def _autograde_classes() -> dict:
+    """The preprocessors CONFIG_TEMPLATE gives ``nbgrader autograde``, built on first use (nbgrader is needed only
+    for a course): ``OverwriteCheckCells`` and ``ExecuteSurviving``."""
+    from nbclient.exceptions import DeadKernelError
+    from nbclient.util import ensure_async, run_sync
+    from nbformat.notebooknode import NotebookNode
+    from nbgrader.preprocessors import Execute, OverwriteCells
+    from traitlets import Bool, Integer
+
+    class OverwriteCheckCells(OverwriteCells):
+        """nbgrader's OverwriteCells (a submission's locked cells get the source's version back), for the book's
+        chapters. A check cell deleted from the submission is put back where it was, after its answer cell, and
+        graded (nbgrader's ``add_missing_cells``, on by default here and placed after the nearest cell that is
+        still there); the log names it. A check cell whose source differs from the release only by its hidden
+        tests (every one: the release has them taken out) is put back without a warning, so that the warning
+        names only a check cell the student edited."""
+
+        add_missing_cells = Bool(True, help="Put back a grade cell deleted from a submission (and say so)."
+                                 ).tag(config=True)
+
+        def preprocess(self, nb, resources):
+            info = resources.get("nbgrader", {})
+            self._who = "/".join(str(info.get(k, "?")) for k in ("student", "assignment", "notebook"))
+            self._cell = None
+            return super().preprocess(nb, resources)
+
+        def preprocess_cell(self, cell, resources, cell_index):
+            self._cell, self._submitted = cell, cell.get("source", "")
+            try:
+                return super().preprocess_cell(cell, resources, cell_index)
+            finally:
+                self._cell = None
+
+        def report_change(self, name, attr, old, new):
+            if attr == "checksum" and self._cell is not None:
+                try:
+                    source = self.gradebook.find_source_cell(name, self.notebook_id, self.assignment_id).source
+                except Exception:  # noqa: BLE001 - then the warning below, as nbgrader's own
+                    source = None
+                if source is not None and _same_code(without_hidden_tests(source), self._submitted):
+                    self.log.debug("%s: %s as released; its hidden tests are put back", self._who, _cell_words(name))
+                    return
+                self.log.warning("%s: %s was edited in the submission; the source's version is put back and graded",
+                                 self._who, _cell_words(name))
+                return
+            self.log.warning("%s: %s: its %s was changed in the submission (should be %s, got %s); put back",
+                             self._who, _cell_words(name), attr, old, new)
+
+        def add_missing_grade_cells(self, nb, resources):
+            source_nb = self.gradebook.find_notebook(self.notebook_id, self.assignment_id)
+            order = [cell.name for cell in source_nb.source_cells]
+            sources = {cell.name: cell for cell in source_nb.source_cells}
+            solutions = {cell.name for cell in source_nb.solution_cells}
+            for grade_cell in source_nb.grade_cells:
+                present = {c.metadata["nbgrader"]["grade_id"]: i for i, c in enumerate(nb.cells)
+                           if c.get("metadata", {}).get("nbgrader", {}).get("grade_id")}
+                name = grade_cell.name
+                if name in present or name not in sources:
+                    continue
+                at = 0
+                for earlier in reversed(order[:order.index(name)]):
+                    if earlier in present:
+                        at = present[earlier] + 1
+                        break
+                self.log.warning("%s: %s is missing from the submission (deleted): put back from the source after "
+                                 "cell %d and graded", self._who, _cell_words(name), at - 1)
+                nb.cells.insert(at, self.missing_cell_transform(sources[name], grade_cell.max_score,
+                                                                is_solution=name in solutions))
+            return nb, resources
+
+    class ExecuteSurviving(Execute):
+        """nbgrader's Execute, which survives a kernel that dies. nbgrader drops a notebook whose kernel dies (all
+        its exercises then wait for manual grading, with no feedback); here the cell where it died gets an error
+        output saying so (0 points if it is a check cell), the kernel is restarted, the code cells before that
+        cell run again (their outputs are kept from the first run; check cells are not run again), and execution
+        goes on with the next cell. A check itself never kills the kernel (it runs in a process of its own,
+        lightning_edu.exercises._isolation): this is for an answer cell that crashes at its top level. A cell that
+        runs past ``timeout`` is interrupted with a message saying so."""
+
+        max_restarts = Integer(5, help="Kernel restarts per notebook before a death ends the notebook's grading "
+                                       "as nbgrader's Execute would.").tag(config=True)
+
+        def preprocess(self, nb, resources=None, km=None):
+            self._restarts = 0
+            info = (resources or {}).get("nbgrader", {})
+            self._who = "/".join(str(info.get(k, "?")) for k in ("student", "assignment", "notebook"))
+            if self.timeout and self.interrupt_on_timeout:
+                words = (f"this cell did not finish within {self.timeout} s and was interrupted: an endless loop at "
+                         "its top level, or a call that never returns")
+                self.error_on_timeout = {"ename": "CellTimeoutError", "evalue": words,
+                                         "traceback": [f"\x1b[0;31mCellTimeoutError\x1b[0m: {words}"]}
+            return super().preprocess(nb, resources, km)
+
+        def preprocess_cell(self, cell, resources, index):
+            try:
+                return super().preprocess_cell(cell, resources, index)
+            except DeadKernelError:
+                if self._restarts >= self.max_restarts:
+                    raise
+            self._restarts += 1
+            words = ("the kernel died while this cell ran (a crash, os._exit, or the machine running out of memory): "
+                     "it was restarted, the cells before this one were run again, and grading went on")
+            cell.outputs = list(cell.get("outputs", [])) + [NotebookNode(
+                output_type="error", ename="KernelDied", evalue=words,
+                traceback=[f"\x1b[0;31mKernelDied\x1b[0m: {words}"])]
+            grade_id = cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+            self.log.warning("%s: the kernel died in cell %d%s; restarted, cells 0-%d run again", self._who, index,
+                             f" ({_cell_words(grade_id)})" if grade_id else "", index - 1)
+            run_sync(self._async_revive)(index)
+            return cell, self.resources
+
+        async def _async_revive(self, index: int) -> None:
+            await ensure_async(self.km.restart_kernel(now=True))
+            if self.kc is not None:
+                await ensure_async(self.kc.stop_channels())
+            self.kc = self.km.client()
+            await ensure_async(self.kc.start_channels())
+            await ensure_async(self.kc.wait_for_ready(timeout=self.startup_timeout))
+            self.kc.allow_stdin = False
+            for i in range(index):
+                kept = self.nb.cells[i]
+                if kept.cell_type != "code" or not kept.source.strip() or _is_check_cell(kept):
+                    continue
+                try:
+                    await self.async_execute_cell(copy.deepcopy(kept), i, store_history=False)
+                finally:
+                    self.nb.cells[i] = kept  # the first run's outputs are the ones graded and shown
+
+    return {"OverwriteCheckCells": OverwriteCheckCells, "ExecuteSurviving": ExecuteSurviving}
+
+
+_AUTOGRADE = ("OverwriteCheckCells", "ExecuteSurviving")
+
+
+def __getattr__(name: str):
+    """``OverwriteCheckCells`` and ``ExecuteSurviving`` (nbgrader preprocessors) are made when first asked for:
+    the rest of this module works without nbgrader."""
+    if name in _AUTOGRADE:
+        made = _autograde_classes()
+        globals().update(made)
+        return made[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # ------------------------------------------------------------------------------------------- a course
 
 CONFIG_TEMPLATE = '''\
@@ -483,15 +678,37 @@ c.ClearSolutions.enforce_metadata = True
 c.ClearHiddenTests.begin_test_delimeter = "BEGIN HIDDEN TESTS"
 c.ClearHiddenTests.end_test_delimeter = "END HIDDEN TESTS"
 
-# Autograding runs a chapter top to bottom. Without a GPU the Triton chapters (07-09) run their kernels in the
-# CPU interpreter: minutes for some cells.
-c.Execute.timeout = 1800
+# Autograding runs a chapter top to bottom: 3 to 45 s a chapter on a 2-core CPU, the Triton chapters (07-09)
+# included, whose kernels run in the CPU interpreter without a GPU. Each check stops a call of the student's
+# function after 60 s and itself after 240 s (LIGHTNING_EDU_CALL_TIME_LIMIT, LIGHTNING_EDU_CHECK_TIME_LIMIT in the
+# environment of `nbgrader autograde` change them); a cell is interrupted after 10 minutes.
+c.Execute.timeout = 600
 c.Execute.interrupt_on_timeout = True
+
+# Grading what survives (INSTRUCTORS.md): a check cell deleted from a submission is put back and graded, and the
+# log names a check cell that was deleted or edited (not the hidden tests, which every check cell gets back); a
+# kernel that dies in a cell is restarted, the cells before it run again, and the cells after it are graded.
+c.Autograde.sanitize_preprocessors = [
+    "nbgrader.preprocessors.ClearOutput",
+    "nbgrader.preprocessors.DeduplicateIds",
+    "nbgrader.preprocessors.OverwriteKernelspec",
+    "lightning_edu.assignments.OverwriteCheckCells",
+    "nbgrader.preprocessors.CheckCellMetadata",
+]
+c.Autograde.autograde_preprocessors = [
+    "lightning_edu.assignments.ExecuteSurviving",
+    "nbgrader.preprocessors.IgnorePattern",
+    "nbconvert.preprocessors.ClearMetadataPreprocessor",
+    "nbgrader.preprocessors.LimitOutput",
+    "nbgrader.preprocessors.SaveAutoGrades",
+    "nbgrader.preprocessors.AssignLatePenalties",
+    "nbgrader.preprocessors.CheckCellMetadata",
+]
 '''
 
 
 def _chapter_paths(root: Path, specs) -> list[Path]:
-    from .book import chapters
+    from .book.toc import chapters
 
     known = {c.file[:2]: c.path for c in chapters(root)}
     paths = []
@@ -512,7 +729,7 @@ def layout_course(course: Path, chapters, *, points: dict[str, float] | None = N
     takes back the files and folders this call made. A refused call (ValueError, :class:`NotNormalisable`, or
     the OSError of the write) leaves the course folder as it was, or absent.
     """
-    from .book import repo_root
+    from .book.toc import repo_root
 
     course = Path(course)
     root = Path(root) if root else repo_root()
@@ -686,7 +903,7 @@ def _command(args) -> int:
         print("next: cd into the course folder and run `nbgrader generate_assignment chNN` (INSTRUCTORS.md)")
         return 0
     if args.command == "points":
-        from .book import chapters, repo_root
+        from .book.toc import chapters, repo_root
 
         paths = args.notebooks or [c.path for c in chapters(repo_root())]
         for path in paths:

@@ -118,7 +118,7 @@ def _fresh_launch_plans():
 
 def pytest_collection_finish(session):
     """Start tests/test_precision.py's second process (its interpreter rows, at the lowest priority), and
-    tests/test_assignments.py's course pipeline, as soon as the tests are collected, so that each runs beside the
+    tests/exercises/test_assignments.py's course pipeline, as soon as the tests are collected, so that each runs beside the
     tests before the ones that read it: see test_precision's ELSEWHERE and start_pipeline_alongside. Not under
     pytest-xdist, where every worker collects every test and runs only some: there the file's own fixture starts
     the second process, in the workers that run its tests (and the pipeline's fixture runs the pipeline itself)."""
@@ -130,7 +130,7 @@ def pytest_collection_finish(session):
         if name == "test_precision":
             module.start_alongside(session.items)
         elif name == "test_assignments":
-            # tests/test_assignments.py's course pipeline (nbgrader: about three minutes of two cores) on a thread
+            # tests/exercises/test_assignments.py's course pipeline (nbgrader: about three minutes of two cores) on a thread
             # from here, its tests moved last (pytest_collection_modifyitems): it runs beside everything else
             module.start_pipeline_alongside(session.items, session.config._tmp_path_factory.mktemp("course"))
 

@@ -5,10 +5,12 @@ Every public ``check_...`` function is declared with :func:`exercise`, which giv
 * ``check_x(fn)`` draws the check's fixed inputs (what the notebook shows); ``check_x(fn, seed=None)`` draws
   fresh ones and names their seed, so a grader's hidden test cannot be passed by an answer fitted to the
   visible inputs, and ``check_x(fn, seed=s)`` reproduces a failure seen with seed ``s``.
-* the reader's function may not call the package's own implementation of what it is asked to write
-  (:mod:`._integrity`); the message names the function it called.
-* whatever the reader's function does -- raise, return a list, NaN, a string, the wrong shape -- the check
-  ends in :class:`ExerciseError` with a message, never in a crash of the check itself.
+* the reader's function may not call the package's own implementation of what it is asked to write, from any
+  thread or process it starts (:mod:`._integrity`); the message names the function it called.
+* whatever the reader's function does -- raise, return a list, NaN, a string, the wrong shape, crash its
+  process, never return -- the check ends in :class:`ExerciseError` with a message, never in a crash of the
+  check itself: the check runs in a process of its own, and each call of the reader's function has a time limit
+  (:mod:`._isolation`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import warnings
 import numpy as np
 
 from ..checks import to_numpy
-from . import _integrity
+from . import _integrity, _isolation
 from ._errors import ExerciseError, IntegrityError
 
 __all__ = [
@@ -40,6 +42,9 @@ __all__ = [
     "reader_lines",
     "lines_by_size",
     "refuse_low_precision",
+    "precision_hint",
+    "is_shape_error",
+    "call_reader",
 ]
 
 
@@ -53,15 +58,48 @@ def passed(message: str) -> None:
     print(f"Correct: {message}" + (f" ({note})" if note else ""))
 
 
-def call_reader(fn, name: str, args, where: str = ""):
+def call_reader(fn, name: str, args, where: str = "", shape_hint: str = ""):
     """``fn(*args)``, the reader's function; what it raises becomes an ExerciseError naming it (never a crash of
-    the check). ``where``: the inputs, as the message should name them ("for d_k = 5, ...")."""
+    the check). ``where``: the inputs, as the message should name them ("for d_k = 5, ..."); ``shape_hint``: what
+    to say when the error is one of shapes (a product or a sum of arrays whose shapes do not fit, usually a
+    transpose missing, :func:`is_shape_error`)."""
     try:
         return fn(*args)
     except ExerciseError:
         raise
     except Exception as exc:  # the reader's bug, reported, never a crash of the check
-        raise ExerciseError(f"your {name} raised {type(exc).__name__}{' ' + where if where else ''}: {exc}") from exc
+        hint = f". Hint: {shape_hint}" if shape_hint and is_shape_error(exc) else ""
+        raise ExerciseError(f"your {name} raised {type(exc).__name__}{' ' + where if where else ''}: {exc}{hint}") from exc
+
+
+_SHAPE_WORDS = ("matmul", "broadcast", "core dimension", "not aligned", "mat1 and mat2", "must match the size",
+                "cannot be multiplied", "size mismatch", "shape mismatch")
+
+
+def is_shape_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is numpy's or torch's complaint about shapes that do not fit (``a @ b`` with the inner
+    sizes different, ``a + b`` that cannot broadcast): the usual sign of a transpose missing or misplaced."""
+    return isinstance(exc, (ValueError, RuntimeError, IndexError)) and any(w in str(exc) for w in _SHAPE_WORDS)
+
+
+def precision_hint(got, ref, *, rtol: float = 1e-9) -> str:
+    """A hint when ``got`` differs from ``ref`` by more than ``rtol`` but by no more than float32's rounding
+    (1e-4 of the largest |ref|): the algorithm is right and a buffer or a factor is float32 (``np.zeros(...,
+    dtype=np.float32)``, ``np.float32(lam)``, ``torch.zeros`` without ``dtype=``). Empty otherwise."""
+    try:
+        got, ref = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    except (TypeError, ValueError):
+        return ""
+    if got.shape != ref.shape or not ref.size or not np.isfinite(got).all():
+        return ""
+    scale = float(np.max(np.abs(ref)))
+    diff = float(np.max(np.abs(got - ref)))
+    if not (rtol * scale < diff <= 1e-4 * scale):
+        return ""
+    return (f"your values agree with the reference to {diff / scale:.1g} of its largest entry: that is the rounding "
+            "of float32 (about 6e-8 per operation), not a mistake in the algorithm. A buffer or a factor in float32 "
+            "(np.zeros(..., dtype=np.float32), np.float32(...), torch.zeros without dtype=) rounds every sum into "
+            "it; keep everything in the inputs' float64")
 
 
 def without_overflow(name: str, call):
@@ -315,28 +353,36 @@ def exercise(number: str, *, allowed=(), strict=(), reveals=(), substitutes=None
             allowed_objs = [_integrity.resolve(name) for name in allowed]
             strict_objs = [_integrity.resolve(name) for name in strict]
             _integrity.scan(fn, allowed=allowed_objs, label=label, kernel=kernel)
-            if kernel:
-                target = fn
-            else:
-                target = _integrity.guarded(fn, allowed=allowed_objs, strict=strict_objs, substitutes=substitutes,
-                                            label=label, on_error=lambda exc: _reader_error(exc, label))
-            token = _NOTE.set(note)
-            try:
-                with warnings.catch_warnings(), np.errstate(all="ignore"):
-                    # A warning on stderr would cost the points in nbgrader; the values decide, not warnings.
-                    warnings.simplefilter("ignore")
-                    if takes_seed:
-                        check(target, *args, seed=offset, **kwargs)
-                    else:
-                        check(target, *args, **kwargs)
-            except ExerciseError as exc:
-                if suffix:
-                    exc.args = (f"{exc.args[0] if exc.args else ''}{suffix}",) + tuple(exc.args[1:])
-                raise
-            except Exception as exc:  # noqa: BLE001 - never a crash of the check: say what happened
-                raise _as_exercise_error(exc, label, suffix) from exc
-            finally:
-                _NOTE.reset(token)
+
+            def body():
+                if kernel:
+                    target = fn
+                else:
+                    target = _integrity.guarded(fn, allowed=allowed_objs, strict=strict_objs, substitutes=substitutes,
+                                                label=label, on_error=lambda exc: _reader_error(exc, label))
+                token = _NOTE.set(note)
+                try:
+                    with warnings.catch_warnings(), np.errstate(all="ignore"):
+                        # A warning on stderr would cost the points in nbgrader; the values decide, not warnings.
+                        warnings.simplefilter("ignore")
+                        if takes_seed:
+                            check(target, *args, seed=offset, **kwargs)
+                        else:
+                            check(target, *args, **kwargs)
+                except ExerciseError as exc:
+                    if suffix:
+                        exc.args = (f"{exc.args[0] if exc.args else ''}{suffix}",) + tuple(exc.args[1:])
+                    raise
+                except Exception as exc:  # noqa: BLE001 - never a crash of the check: say what happened
+                    raise _as_exercise_error(exc, label, suffix) from exc
+                finally:
+                    _NOTE.reset(token)
+
+            # The check runs in a process of its own (a crash, a loop or a thread of the reader's stays there):
+            # _isolation's docstring.
+            if not kernel:
+                _integrity.prepare()
+            _isolation.run_check(body, label=label, suffix=suffix)
 
         run.exercise = number
         run.reveals = tuple(reveals)

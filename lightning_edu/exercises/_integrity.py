@@ -10,37 +10,39 @@ Two layers, both run by every check (:func:`lightning_edu.exercises._core.exerci
   switched off: the code object of each is swapped for a trap that fails the check when the call comes from the
   reader's code, and runs the original when it comes from a function the exercise allows (an allowed function
   may use the package internally). This catches calls the scan cannot see (``getattr``, imports inside the
-  function, a package function passed to numpy).
+  function, a package function passed to numpy), in every thread: a call from a thread the reader's code started
+  (``threading``, ``concurrent.futures``) fails too, as does a call from a process it forks (the trap writes
+  into the call's report folder, read when the function returns). A fresh Python it starts (``subprocess``,
+  ``multiprocessing`` with "spawn" or "forkserver") finds a ``sitecustomize`` first on its ``PYTHONPATH`` that
+  switches the implementations off there too (:mod:`._sentinels`). A module of the package imported during the
+  call is switched off as it is imported. Each call has a time limit (:func:`._isolation.reader_call`).
 
-Neither catches a copy of the package's code pasted into the answer; INSTRUCTORS.md says so.
+Neither catches a copy of the package's code pasted into the answer; INSTRUCTORS.md says so, and what else
+escapes (a process started with an environment of its own, code run while a module is being imported).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import shutil
 import sys
+import tempfile
+import threading
 import types
 
+from . import _isolation, _sentinels
 from ._errors import ExerciseError, IntegrityError
 
 __all__ = ["IntegrityError", "scan", "guarded", "resolve"]
 
-_PACKAGE = "lightning_edu"
-# Modules a reader may call freely: comparisons, argument checks, the notebook helpers, measurement tools, and
-# the checking machinery itself. Everything else in lightning_edu is an implementation of something.
-_SAFE_MODULES = (
-    "lightning_edu",
-    "lightning_edu.checks",
-    "lightning_edu.validation",
-    "lightning_edu.book",
-    "lightning_edu.measure",
-    "lightning_edu.environment",
-    "lightning_edu.exercises",
-    "lightning_edu.exercises._core",
-    "lightning_edu.exercises._errors",
-    "lightning_edu.exercises._integrity",
-)
-_SAFE_PREFIXES = ("lightning_edu.book.",)
+_PACKAGE = _sentinels.PACKAGE
+# Modules a reader may call freely (comparisons, argument checks, the notebook helpers, measurement tools, the
+# course tools, the checking machinery): _sentinels.SAFE_MODULES. Everything else in lightning_edu is an
+# implementation of something.
+_SAFE_MODULES = _sentinels.SAFE_MODULES
+_SAFE_PREFIXES = _sentinels.SAFE_PREFIXES
 # Imported before a guarded call so that their functions are switched off even if the notebook has not
 # imported them yet (a reader's function may import them itself).
 _IMPLEMENTATION_MODULES = (
@@ -65,12 +67,8 @@ def _error(message: str) -> IntegrityError:
 # ------------------------------------------------------------------------------------------- what is what
 
 
-def _is_safe_module(name: str) -> bool:
-    return name in _SAFE_MODULES or name.startswith(_SAFE_PREFIXES) or not (name == _PACKAGE or name.startswith(_PACKAGE + "."))
-
-
-def _is_implementation_module(name: str | None) -> bool:
-    return bool(name) and name.startswith(_PACKAGE + ".") and not _is_safe_module(name)
+_is_safe_module = _sentinels.is_safe_module
+_is_implementation_module = _sentinels.is_implementation_module
 
 
 def _unwrap_kernel(obj):
@@ -222,7 +220,11 @@ class _Record:
 
 _RECORDS: dict[int, _Record] = {}  # id(trap code) -> record; the records keep the code objects alive
 _BY_FUNCTION: dict[int, _Record] = {}
-_STATE = {"depth": 0, "allowed": frozenset(), "strict": frozenset(), "label": "", "violation": None}
+# What the guarded call now running allows, and what it found. "thread": the thread the reader's function runs
+# in; "threads_before": the threads alive when the call began (in the notebook's own process, those are not the
+# reader's); "pid": the process of the call (a process forked from it reports through "report", a folder).
+_STATE = {"depth": 0, "allowed": frozenset(), "strict": frozenset(), "label": "", "violation": None,
+          "thread": None, "threads_before": frozenset(), "pid": None, "report": None}
 
 
 def _record(function) -> _Record | None:
@@ -232,6 +234,8 @@ def _record(function) -> _Record | None:
     code = function.__code__
     if code.co_freevars or function.__closure__:
         return None  # a closure cannot take a code object without free variables
+    if id(code) in _RECORDS:  # already a trap: installed by a call still running
+        return None
     trap = _trap_template.__code__.replace(co_name=code.co_name, co_qualname=function.__qualname__)
     rec = _Record(function, code, trap)
     _BY_FUNCTION[id(function)] = rec
@@ -255,11 +259,20 @@ def _implementation_functions() -> list:
         for name, module in list(sys.modules.items()):
             if module is None or not _is_implementation_module(name):
                 continue
-            for obj in list(vars(module).values()):
-                if isinstance(obj, types.FunctionType) and obj.__module__ == name and obj.__code__ is not None:
-                    functions.append(obj)
+            functions.extend(_module_functions(module, name))
         _FUNCTIONS_CACHE.update(modules=len(sys.modules), functions=functions)
     return _FUNCTIONS_CACHE["functions"]
+
+
+def prepare() -> None:
+    """Import the implementation modules and list their functions here, in the notebook's process, before a check
+    forks its child: the child then finds both done (done in each child, they took most of a check's time)."""
+    _implementation_functions()
+
+
+def _module_functions(module, name: str) -> list:
+    return [obj for obj in list(vars(module).values())
+            if isinstance(obj, types.FunctionType) and obj.__module__ == name and obj.__code__ is not None]
 
 
 def _call_original(rec: _Record, args, kwargs):
@@ -275,22 +288,34 @@ def _trapped(args, kwargs):
     rec = _RECORDS.get(id(trap_frame.f_code))
     if rec is None:  # pragma: no cover - only trap code objects call this
         raise RuntimeError("lightning_edu: an exercise trap was called from outside a trap")
-    if _STATE["depth"] and id(rec.function) not in _STATE["strict"]:
+    if not _STATE["depth"]:  # pragma: no cover - traps are removed when the last guard exits
+        return _call_original(rec, args, kwargs)
+    where = ""
+    if id(rec.function) not in _STATE["strict"]:
         frame = trap_frame.f_back
         while frame is not None:
             code = frame.f_code
             if code is _guard_code():
                 break  # reached the reader's call without passing an allowed function: the reader called it
-            if id(code) in _STATE["allowed"]:
-                return _call_original(rec, args, kwargs)
+            if id(code) in _STATE["allowed"] or code.co_filename.startswith("<frozen importlib"):
+                return _call_original(rec, args, kwargs)  # inside an allowed function, or a module's import
             frame = frame.f_back
         else:
-            return _call_original(rec, args, kwargs)  # not under a guarded call (another thread)
-    elif not _STATE["depth"]:  # pragma: no cover - traps are removed when the last guard exits
-        return _call_original(rec, args, kwargs)
-    message = (f"your function {_STATE['label']} calls {implementation_name(rec.function)}: write the algorithm "
-               "yourself (the check runs your code with the package's implementations switched off)")
-    _STATE["violation"] = message
+            # Not below the reader's call in this thread: another thread, or a process forked from one.
+            if os.getpid() == _STATE["pid"]:
+                ident = threading.get_ident()
+                if ident == _STATE["thread"] or (ident in _STATE["threads_before"] and not _isolation.in_child()):
+                    return _call_original(rec, args, kwargs)  # not the reader's thread: this process's own
+                where = " from a thread it started"
+    if os.getpid() != _STATE["pid"]:
+        where = " in a process it started"
+    message = (f"your function {_STATE['label']} calls {implementation_name(rec.function)}{where}: write the "
+               "algorithm yourself (the check runs your code with the package's implementations switched off"
+               + (", in the threads and processes it starts too)" if where else ")"))
+    _STATE["violation"] = _STATE["violation"] or message
+    if os.getpid() != _STATE["pid"]:
+        _sentinels._CONFIG["report"] = _STATE["report"]
+        _sentinels._report(message)
     raise _error(message)
 
 
@@ -302,6 +327,56 @@ def _run_guarded(fn, args, kwargs):
     return fn(*args, **kwargs)
 
 
+def _reported(folder: str | None) -> str | None:
+    """The first message a process started by the reader's code wrote into the call's report folder."""
+    if not folder:
+        return None
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.startswith("violation-") and n.endswith(".txt"))
+        for name in names:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                text = f.read().strip()
+            if text:
+                return text
+    except OSError:
+        return None
+    return None
+
+
+class _Processes:
+    """For one call of the reader's function: a folder with a ``sitecustomize.py`` put first on ``PYTHONPATH``
+    (a fresh Python started from the call switches the implementations off, :mod:`._sentinels`) and the report
+    folder the traps of other processes write into; the environment is restored when the call ends."""
+
+    def __init__(self, label: str, allowed_fns, strict_fns):
+        self.saved = {}
+        try:
+            self.folder = tempfile.mkdtemp(prefix="lightning_edu_check_")
+            self.report = os.path.join(self.folder, "reports")
+            os.mkdir(self.report)
+            with open(os.path.join(self.folder, "sitecustomize.py"), "w", encoding="utf-8") as f:
+                f.write(_sentinels.sitecustomize_source())
+        except OSError:  # no temporary folder to be had: the processes it starts go unwatched, the rest holds
+            self.folder = self.report = None
+            return
+        config = {"report": self.report, "label": label,
+                  "allowed": sorted(_sentinels.qualified_name(a) for a in allowed_fns),
+                  "strict": sorted(_sentinels.qualified_name(s) for s in strict_fns)}
+        self.saved = {name: os.environ.get(name) for name in ("PYTHONPATH", _sentinels.ENV)}
+        path = self.saved["PYTHONPATH"]
+        os.environ["PYTHONPATH"] = self.folder + (os.pathsep + path if path else "")
+        os.environ[_sentinels.ENV] = json.dumps(config)
+
+    def close(self) -> None:
+        for name, value in self.saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def guarded(fn, *, allowed=(), strict=(), substitutes=None, label: str | None = None, on_error=None):
     """``fn`` wrapped so that each call runs with lightning_edu's implementations switched off.
 
@@ -309,7 +384,8 @@ def guarded(fn, *, allowed=(), strict=(), substitutes=None, label: str | None = 
     that fail even when reached through an allowed one; ``substitutes``: {name: function} put into the reader's
     namespace for the call (the book's version of an earlier exercise's answer, so a mistake there is not
     counted twice). ``on_error(exc)`` is called with any exception the reader's code raises: it may mark it, or
-    return an exception to raise in its place.
+    return an exception to raise in its place. Each outermost call has a time limit
+    (:func:`._isolation.reader_call`).
     """
     label = label or getattr(fn, "__name__", "function")
     allowed_codes = frozenset(id(getattr(_unwrap_kernel(a), "__code__", None)) for a in allowed)
@@ -317,16 +393,22 @@ def guarded(fn, *, allowed=(), strict=(), substitutes=None, label: str | None = 
     allowed_codes |= frozenset(id(s.__code__) for s in substitutes.values())
     allowed_fns = {id(a) for a in allowed} | {id(s) for s in substitutes.values()}
     strict_ids = frozenset(id(s) for s in strict)
+    allowed_plain = [_unwrap_kernel(a) for a in allowed if isinstance(_unwrap_kernel(a), types.FunctionType)]
+    strict_plain = [s for s in strict if isinstance(s, types.FunctionType)]
+
+    def trappable(function) -> bool:
+        return not (id(function) in allowed_fns and id(function) not in strict_ids)
 
     def call(*args, **kwargs):
         outer = _STATE["depth"] == 0
         saved_state = dict(_STATE)
         records = []
         replaced = {}
+        processes = finder = None
         if outer:
             seen = set()
             for function in _implementation_functions():
-                if id(function) in seen or (id(function) in allowed_fns and id(function) not in strict_ids):
+                if id(function) in seen or not trappable(function):
                     continue
                 seen.add(id(function))
                 rec = _record(function)
@@ -339,32 +421,64 @@ def guarded(fn, *, allowed=(), strict=(), substitutes=None, label: str | None = 
                 if current is not None and _is_reader_function(current) and current is not fn:
                     replaced[name] = current
                     namespace[name] = substitute
-        _STATE.update(depth=_STATE["depth"] + 1, allowed=allowed_codes, strict=strict_ids, label=label, violation=None)
+        state = dict(depth=_STATE["depth"] + 1, allowed=allowed_codes, strict=strict_ids, label=label,
+                     violation=None)
+        if outer:
+            processes = _Processes(label, allowed_plain, strict_plain)
+            state.update(thread=threading.get_ident(), pid=os.getpid(), report=processes.report,
+                         threads_before=frozenset(t.ident for t in threading.enumerate()))
+
+            def after_import(module):  # a module of the package imported during the call: switched off too
+                name = getattr(module, "__name__", None)
+                if not _is_implementation_module(name):
+                    return
+                for function in _module_functions(module, name):
+                    rec = _record(function) if trappable(function) else None
+                    if rec is not None:
+                        records.append(rec)
+                        function.__code__ = rec.trap
+
+            finder = _sentinels.PostImportFinder(after_import)
+        _STATE.update(state)
         try:
             for rec in records:
                 rec.function.__code__ = rec.trap
+            if finder is not None:
+                sys.meta_path.insert(0, finder)
             try:
-                out = _run_guarded(fn, args, kwargs)
+                if outer:
+                    with _isolation.reader_call(label, args, kwargs):
+                        out = _run_guarded(fn, args, kwargs)
+                else:
+                    out = _run_guarded(fn, args, kwargs)
             except BaseException as exc:
-                if _STATE["violation"] and not isinstance(exc, IntegrityError):
-                    raise _error(_STATE["violation"]) from exc
+                violation = _STATE["violation"] or (_reported(processes.report) if processes else None)
+                if violation and not isinstance(exc, IntegrityError):
+                    raise _error(violation) from exc
                 if on_error is not None and isinstance(exc, Exception) and not isinstance(exc, ExerciseError):
                     replacement = on_error(exc)
                     if replacement is not None:
                         raise replacement from exc
                 raise
-            if _STATE["violation"]:  # the reader's code caught the failure and went on
-                raise _error(_STATE["violation"])
+            violation = _STATE["violation"] or (_reported(processes.report) if processes else None)
+            if violation:  # the reader's code caught the failure and went on, or met it in another process
+                raise _error(violation)
             return out
         finally:
+            if finder is not None:
+                try:
+                    sys.meta_path.remove(finder)
+                except ValueError:
+                    pass
             for rec in records:
                 rec.function.__code__ = rec.original
             for name, original in replaced.items():
                 namespace[name] = original
+            if processes is not None:
+                processes.close()
             _STATE.clear()
             _STATE.update(saved_state)
 
     call.__name__ = label
     call.__wrapped__ = fn
     return call
-

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..measure import peak_memory_numpy, peak_memory_torch
 from ..numpy_blockwise import block_factors, block_slices, blockwise_backward
-from ._core import ExerciseError, exercise, expect_array, expect_close, expect_shape, lines_by_size, passed
+from ._core import (ExerciseError, exercise, expect_array, expect_close, expect_shape, is_shape_error, lines_by_size,
+                    passed, precision_hint, refuse_low_precision)
 
 __all__ = ["check_dkv_update", "check_dk_inter", "check_reverse_sweep"]
 
@@ -33,14 +35,26 @@ def _inputs(case, seed):
     return q, k, v, do, np.array(decay, dtype=np.float64), block
 
 
-def _call(name, fn, *args):
+def _call(name, fn, *args, shape_hint: str = ""):
     try:
         return fn(*args)
     except ExerciseError:
         raise
     except Exception as exc:  # the reader's code failed: say so with the shapes it was given
         shapes = ", ".join(str(getattr(a, "shape", a)) for a in args)
-        raise ExerciseError(f"{name} raised {type(exc).__name__}: {exc} (arguments of shapes {shapes})") from exc
+        hint = f". Hint: {shape_hint}" if shape_hint and is_shape_error(exc) else ""
+        raise ExerciseError(f"{name} raised {type(exc).__name__}: {exc} (arguments of shapes {shapes}){hint}") from exc
+
+
+# What a shape error in each piece means: the transposes, and the axes they swap (x.T reverses all four axes of a
+# (batch, heads, rows, d) array, which is why .swapaxes(-1, -2) is asked for).
+_UPDATE_SHAPES = ("a transpose is missing or on the wrong axes: (diag(lambda^(r+1)) Q_i)^T dO_i multiplies a (d_k, b) "
+                  "matrix by a (b, d_v) one, per batch and head, giving dKV's (d_k, d_v). Swap the last two axes of "
+                  "the scaled q block with .swapaxes(-1, -2) (.T reverses all four axes of a (batch, heads, b, d_k) "
+                  "array)")
+_INTER_SHAPES = ("a transpose is missing or on the wrong axes: V_i dKV^T multiplies the (b, d_v) values by the (d_v, "
+                 "d_k) transpose of dKV, per batch and head, giving (b, d_k). Transpose dkv on its last two axes, "
+                 "dkv.swapaxes(-1, -2) (.T reverses all four axes of a (batch, heads, d_k, d_v) array)")
 
 
 def _sweep(q, k, v, do, decay, block, update=None, inter=None, read_after_update=False, dv_next_do=False,
@@ -73,6 +87,12 @@ def _matches(got, ref):
     return got.shape == ref.shape and bool(np.allclose(got, ref, rtol=1e-9, atol=1e-12))
 
 
+def _sweep_update(dkv, qi, doi, decay):
+    """The right dKV update of 5.1, for one block."""
+    _, q_scale, _, block_decay = block_factors(qi.shape[2], decay)
+    return block_decay * dkv + (q_scale * qi).swapaxes(-1, -2) @ doi
+
+
 # ---------------------------------------------------------------------------------------------- 5.1
 
 
@@ -92,7 +112,7 @@ def _update_variants(dkv, qi, doi, decay):
     }
 
 
-@exercise("5.1", reveals=("algorithm2", "blockwise_backward"))
+@exercise("5.1", reveals=("algorithm2", "blockwise_backward"), allowed=("lightning_edu.numpy_blockwise.block_factors",))
 def check_dkv_update(dkv_update, seed: int = 0) -> None:
     """``dkv_update(dkv, q_block, do_block, decay)`` -> dKV before the block, given dKV after it.
 
@@ -105,7 +125,9 @@ def check_dkv_update(dkv_update, seed: int = 0) -> None:
         # one block first, for a precise diagnosis
         rows = block_slices(q.shape[2], block)[0]
         dkv0 = np.random.default_rng(index + seed).standard_normal(ref_state.shape)
-        one = _call("dkv_update", dkv_update, dkv0.copy(), q[:, :, rows].copy(), do[:, :, rows].copy(), decay.copy())
+        one = _call("dkv_update", dkv_update, dkv0.copy(), q[:, :, rows].copy(), do[:, :, rows].copy(), decay.copy(),
+                    shape_hint=_UPDATE_SHAPES)
+        refuse_low_precision("dkv_update(...)", one)
         one = expect_shape("dkv_update(...)", one, dkv0.shape)
         hint = "dKV_before = lambda^b dKV_after + (diag(lambda^(r+1)) Q_i)^T dO_i, r = 0..b-1"
         for text, wrong in _update_variants(dkv0, q[:, :, rows], do[:, :, rows], decay).items():
@@ -113,7 +135,10 @@ def check_dkv_update(dkv_update, seed: int = 0) -> None:
                 hint = text
                 break
         # then the whole sweep, to say where the gradients go wrong
-        dk, dv, state = _sweep(q, k, v, do, decay, block, update=lambda *a: expect_array("dkv_update(...)", _call("dkv_update", dkv_update, *a)))
+        dk, dv, state = _sweep(q, k, v, do, decay, block, update=lambda *a: expect_array(
+            "dkv_update(...)", _call("dkv_update", dkv_update, *a, shape_hint=_UPDATE_SHAPES)))
+        if hint.startswith("dKV_before"):
+            hint = precision_hint(one, _sweep_update(dkv0, q[:, :, rows], do[:, :, rows], decay)) or hint
         expect_close(f"dk (n = {q.shape[2]}, block size {block}, decay {decay.tolist()})", dk, ref_dk, block_size=block, hint=hint)
         expect_close(f"dv (n = {q.shape[2]}, block size {block}, decay {decay.tolist()})", dv, ref_dv, block_size=block, hint=hint)
         expect_close("dKV before the first block (the gradient of the initial state)", state, ref_state, axis=-2, hint=hint)
@@ -145,18 +170,56 @@ def check_dk_inter(dk_inter, seed: int = 0) -> None:
         rows = block_slices(q.shape[2], block)[0]
         probe_state = np.random.default_rng(index + seed).standard_normal(q.shape[:2] + (q.shape[-1], v.shape[-1]))
         vi = v[:, :, rows]
-        one = expect_shape("dk_inter(...)", _call("dk_inter", dk_inter, vi.copy(), probe_state.copy(), decay.copy()),
-                           vi.shape[:3] + (q.shape[-1],))
+        one = _call("dk_inter", dk_inter, vi.copy(), probe_state.copy(), decay.copy(), shape_hint=_INTER_SHAPES)
+        refuse_low_precision("dk_inter(...)", one)
+        one = expect_shape("dk_inter(...)", one, vi.shape[:3] + (q.shape[-1],))
         for text, wrong in hints.items():
             if np.any(decay != 1.0) and _matches(one, wrong(vi, probe_state, decay)):
                 hint = text
                 break
-        dk = _sweep(q, k, v, do, decay, block, inter=lambda vi, s, d: expect_array("dk_inter(...)", _call("dk_inter", dk_inter, vi, s, d)))[0]
+        if hint.startswith("dK_inter ="):
+            right = block_factors(vi.shape[2], decay)[2] * (vi @ probe_state.swapaxes(-1, -2))
+            hint = precision_hint(one, right) or hint
+        dk = _sweep(q, k, v, do, decay, block, inter=lambda vi, s, d: expect_array(
+            "dk_inter(...)", _call("dk_inter", dk_inter, vi, s, d, shape_hint=_INTER_SHAPES)))[0]
         expect_close(f"dk (n = {q.shape[2]}, block size {block}, decay {decay.tolist()})", dk, ref_dk, block_size=block, hint=hint)
     passed(f"inter term of dK right: full dK matches Algorithm 2 on {len(CASES)} shapes")
 
 
 # ---------------------------------------------------------------------------------------------- 5.3
+
+_DENSE_N = 1024  # tokens of the memory probe of 5.3: n x n float64 is 8 MiB, a sweep's blocks a few KiB
+
+
+def _sweep_mistakes(q, k, v, do, decay, block, dk, dv, ref_dk, ref_dv):
+    """The hints of the slips a wrong sweep matches, in the order they are tried (each with the gradients it
+    explains)."""
+    n = q.shape[2]
+    early_dk, _, _ = _sweep(q, k, v, do, decay, block, read_after_update=True)
+    if _matches(dk, early_dk):
+        yield ("did you use the reverse-sweep state dKV of the blocks after this one? You added this block's own "
+               "Q_i^T dO_i before reading dKV, so pairs inside the block are counted twice (and acausal ones too): "
+               "compute dK_i and dV_i first, then update dKV")
+    next_dv = _sweep(q, k, v, do, decay, block, dv_next_do=True)[1]
+    full = slice(0, (len(block_slices(n, block)) - 2) * block)  # blocks whose next block is full too
+    if full.stop > 0 and _matches(dv[:, :, full], next_dv[:, :, full]):
+        yield ("the intra term of dV pairs block i's scores [(Q_i K_i^T) * M]^T with dO_i of the same block; you used "
+               "the next block's dO, as the paper's eq. 19 prints it")
+    forward_dk, forward_dv, _ = _sweep(q, k, v, do, decay, block, forward=True)
+    if _matches(dk, forward_dk) and _matches(dv, forward_dv):
+        yield ("the sweep walks the blocks from the first to the last: dKV must hold the blocks AFTER the current one "
+               "(they are what its keys and values influence), so the reverse sweep starts at the last block: "
+               "for start in reversed(range(0, n, block_size))")
+    whole = n - n % block
+    if n % block and whole:
+        part = slice(0, whole)
+        prefix_dk, prefix_dv, _ = _sweep(q[:, :, part], k[:, :, part], v[:, :, part], do[:, :, part], decay, block)
+        if _matches(dk[:, :, part], prefix_dk) and _matches(dv[:, :, part], prefix_dv):
+            yield (f"the short last block (rows {whole}-{n - 1}, {n % block} of them) is left out: your rows before it are "
+                   "those of a sequence that ends at row {whole}. range(0, n, block_size) gives every block's start, the "
+                   "short one included (n // block_size counts only the full ones); slice each block to "
+                   "min(start + block_size, n)".replace("{whole}", str(whole)))
+
 
 
 @exercise("5.3", reveals=("algorithm2", "blockwise_backward"),
@@ -172,31 +235,22 @@ def check_reverse_sweep(reverse_sweep, seed: int = 0) -> None:
         got = _call("reverse_sweep", reverse_sweep, q.copy(), k.copy(), v.copy(), do.copy(), decay.copy(), block)
         if not isinstance(got, tuple) or len(got) != 2:
             raise ExerciseError(f"reverse_sweep must return the pair (dk, dv), got {type(got).__name__}")
+        for name, value in (("dk", got[0]), ("dv", got[1])):
+            refuse_low_precision(name, value)
         dk = expect_shape("dk", got[0], ref_dk.shape)
         dv = expect_shape("dv", got[1], ref_dv.shape)
+        if _matches(dk, ref_dk) and _matches(dv, ref_dv):
+            continue
         where = f"(n = {q.shape[2]}, block size {block}, decay {decay.tolist()})"
-        early_dk, early_dv, _ = _sweep(q, k, v, do, decay, block, read_after_update=True)
-        if _matches(dk, early_dk) and not _matches(dk, ref_dk):
-            hint = (
-                "did you use the reverse-sweep state dKV of the blocks after this one? You added this block's own "
-                "Q_i^T dO_i before reading dKV, so pairs inside the block are counted twice (and acausal ones too): "
-                "compute dK_i and dV_i first, then update dKV"
-            )
+        for hint in _sweep_mistakes(q, k, v, do, decay, block, dk, dv, ref_dk, ref_dv):
             expect_close(f"dk {where}", dk, ref_dk, block_size=block, hint=hint)
-        next_dv = _sweep(q, k, v, do, decay, block, dv_next_do=True)[1]
-        full = slice(0, (len(block_slices(q.shape[2], block)) - 2) * block)  # blocks whose next block is full too
-        if _matches(dv[:, :, full], next_dv[:, :, full]) and not _matches(dv, ref_dv):
-            hint = (
-                "the intra term of dV pairs block i's scores [(Q_i K_i^T) * M]^T with dO_i of the same block; you used "
-                "the next block's dO, as the paper's eq. 19 prints it"
-            )
             expect_close(f"dv {where}", dv, ref_dv, block_size=block, hint=hint)
         hint = (
             "per block, newest first: dK_i = [(dO_i V_i^T) * M]^T Q_i + diag(lambda^(b-1-r)) V_i dKV^T, "
             "dV_i = [(Q_i K_i^T) * M]^T dO_i + diag(lambda^(b-1-r)) K_i dKV, then dKV = lambda^b dKV + (diag(lambda^(r+1)) Q_i)^T dO_i"
         )
-        expect_close(f"dk {where}", dk, ref_dk, block_size=block, hint=hint)
-        expect_close(f"dv {where}", dv, ref_dv, block_size=block, hint=hint)
+        expect_close(f"dk {where}", dk, ref_dk, block_size=block, hint=precision_hint(dk, ref_dk) or hint)
+        expect_close(f"dv {where}", dv, ref_dv, block_size=block, hint=precision_hint(dv, ref_dv) or hint)
     # The values are right; now the algorithm. A sweep over the blocks runs its loop body once per block, so its
     # lines of Python grow with the block count; a dense (n x n) formula or autograd runs the same lines at any n.
     def run(blocks):
@@ -210,5 +264,23 @@ def check_reverse_sweep(reverse_sweep, seed: int = 0) -> None:
             f"{lines[32]} on 32: no loop over the blocks. The exercise asks for Algorithm 2's reverse sweep, one "
             "block at a time from the last, carrying dKV; an n x n formula (or autograd) gets the values without it"
         )
+    # A loop that runs is not yet a sweep (an empty `for` beside an n x n formula runs one too): the sweep holds one
+    # block's b x b tiles and the d_k x d_v state at a time, never an n x n matrix. Measured on numpy's buffers
+    # (tracemalloc) and torch's storages alike, at n = 1024, where n x n float64 takes 8 MiB.
+    n, block = _DENSE_N, 16
+    q, k, v, do, decay, _ = _inputs((1, 1, n, 2, 2, block, [0.9]), 960 + seed)
+    box = {}
+
+    def in_torch():
+        box["torch"] = peak_memory_torch(lambda: box.setdefault(
+            "out", _call("reverse_sweep", reverse_sweep, q, k, v, do, decay, block)))
+
+    peak = max(peak_memory_numpy(in_torch), box.get("torch", 0))
+    square = n * n * 8
+    if peak > square / 4:
+        raise ExerciseError(
+            f"reverse_sweep gives the right values and loops, but allocated {peak / 2**20:.1f} MiB at n = {n} (block "
+            f"size {block}): an n x n matrix takes {square / 2**20:.0f} MiB in float64. The reverse sweep never forms "
+            "the n x n scores or mask: it holds one block's b x b tiles and the d_k x d_v state dKV at a time")
     passed(f"reverse sweep right: dk and dv match Algorithm 2 on {len(CASES)} shapes, partial last blocks included, "
            "one block at a time")

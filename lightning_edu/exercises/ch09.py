@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..numpy_la3 import intra_dq, intra_dv
-from ._core import ExerciseError, call_reader, exercise, expect_shape, passed, wrong_rows
+from ._core import (ExerciseError, call_reader, exercise, expect_shape, passed, precision_hint, refuse_low_precision,
+                    wrong_rows)
 
 __all__ = ["check_dv_phase", "check_dq_phase"]
 
@@ -34,6 +35,7 @@ def _inputs(case: int, rows: int, d_k: int, d_v: int, seed: int = 0):
 
 def _call(fn, name: str, args, shape):
     out = call_reader(fn, name, [a.copy() if isinstance(a, np.ndarray) else a for a in args])
+    refuse_low_precision(name, out)
     try:
         return expect_shape(name, out, shape).astype(np.float64)
     except ExerciseError:
@@ -100,6 +102,9 @@ def _check(fn, name: str, reference, dense, make_args, per_j=None, seed: int = 0
             bad = int(np.flatnonzero(~np.isfinite(got).all(axis=1))[0])
             raise ExerciseError(f"{name} has NaN or inf in row {bad} (micro-chunk {bad // micro}) {where}: every "
                                 "decay factor is lambda to a non-negative power, and finite inputs give finite gradients")
+        rounding = precision_hint(got, ref, rtol=_RTOL)
+        if rounding:
+            raise ExerciseError(f"{name} differs {where}: {_where(got, ref, micro)}. Hint: {rounding}")
         if any(_same(got, dense(q, k, v, do, lam, micro, d)) for d in ("unmasked", "negative")):
             raise ExerciseError(f"{name} differs {where}: {_where(got, ref, micro)}. Hint: on a diagonal tile (i = j) "
                                 "keep only the pairs with the key at or before the query (r >= s) -- select them with "

@@ -52,6 +52,10 @@ _PACKED_CASES = [  # (cu_seqlens, d_k, d_v, lambda)
     ([0, 3, 300], 3, 2, 0.05),  # a long sequence at a small lambda: lambda^-t overflows in a cumsum rewrite
 ]
 _SWEEP_N = 24
+# What a shape error in a step means: the outer product or the read transposed.
+_STEP_SHAPES = ("a transpose: state is (d_k, d_v), keys along the rows, so new_state = lam * state + np.outer(k, v) "
+                "(np.outer(v, k) is its (d_v, d_k) transpose), and o = q @ new_state, a (d_k,) vector times a (d_k, "
+                "d_v) matrix (new_state @ q multiplies the wrong side)")
 _SUSPECT_BLOCKS = (8, 16, 32)
 
 
@@ -106,7 +110,7 @@ def _run_step(step, q, k, v, state, lam, where: str):
     """Call the reader's step on copies; return (o, new_state) as float64 arrays, or raise ExerciseError."""
     d_k, d_v = k.shape[0], v.shape[0]
     args = (q.copy(), k.copy(), v.copy(), state.copy(), lam)
-    out = call_reader(step, "step", args, where)
+    out = call_reader(step, "step", args, where, shape_hint=_STEP_SHAPES)
     if out is None:
         raise ExerciseError("step returned None -- did you forget `return o, new_state`?")
     if not isinstance(out, (tuple, list)) or len(out) != 2:
@@ -407,10 +411,13 @@ def _packed_compare(packed_forward, q, k, v, lam, bounds, where: str, seed: int 
                         + _packed_mistake(packed_forward, q, k, v, lam, bounds, got, seed))
 
 
+# Allowed: single-sequence methods (the statement's lightning_attention on one sequence) and masked_product, whose
+# mask the reader builds. Not the suspect: with block=1 every boundary starts a block and it is exact on any packed
+# batch, one call and no boundary handled; an allowed function must not be the answer.
 @exercise("10.3", reveals=("packed_forward",),
-          allowed=("lightning_edu.api.lightning_attention", "lightning_edu.numpy_reference.masked_product",
-                   "lightning_edu.exercises.ch10.suspect_packed_forward"),
-          strict=("lightning_edu.packed.packed_forward", "lightning_edu.exercises.ch10.reference_packed_forward"))
+          allowed=("lightning_edu.api.lightning_attention", "lightning_edu.numpy_reference.masked_product"),
+          strict=("lightning_edu.packed.packed_forward", "lightning_edu.exercises.ch10.reference_packed_forward",
+                  "lightning_edu.exercises.ch10.suspect_packed_forward"))
 def check_packed_forward(packed_forward, seed: int = 0) -> None:
     """``packed_forward(q, k, v, lam, cu_seqlens) -> o``: causal linear attention with decay over a packed batch of
     one head, every sequence from a zero state (:func:`reference_packed_forward`).

@@ -26,7 +26,7 @@ from lightning_edu.exercises.contest import (
     STARTER, check_forward_kernel, find_submissions, grade, leaderboard_markdown, load_submission, time_forward_kernel,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HAS_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU with Triton's interpreter off")

@@ -119,3 +119,20 @@ def test_a_raising_or_empty_function_is_reported_not_crashed():
         check_dv_phase(lambda *args: None)
     with pytest.raises(ExerciseError):
         check_dv_phase(lambda *args: "not an array")
+
+
+def test_a_float32_buffer_is_named_as_such_not_blamed_on_the_algorithm():
+    def float32_dv(q, k, do, lam, micro, back_to_float64=False):
+        dv = np.zeros((k.shape[0], do.shape[1]), dtype=np.float32)
+        for sj, cj in tiles(k.shape[0], micro):
+            for si, ci in tiles(q.shape[0], micro):
+                if si >= sj:
+                    factor, keep = tile_decay(lam, si, ci, sj, cj)
+                    dv[sj:sj + cj] += np.where(keep, (q[si:si + ci] @ k[sj:sj + cj].T) * factor[0], 0.0).T @ do[si:si + ci]
+        return dv.astype(np.float64) if back_to_float64 else dv
+
+    with pytest.raises(ExerciseError, match="dv_phase is float32: the check compares with float64"):
+        check_dv_phase(float32_dv)
+    with pytest.raises(ExerciseError) as info:
+        check_dv_phase(lambda *a: float32_dv(*a, back_to_float64=True))
+    assert "that is the rounding of float32" in str(info.value) and "not a mistake in the algorithm" in str(info.value)

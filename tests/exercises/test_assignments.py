@@ -11,11 +11,8 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -39,7 +36,7 @@ from lightning_edu.assignments import (
     student_source,
 )
 from lightning_edu.book import chapters, repo_root
-from course_fixtures import chapter_four
+from course_fixtures import chapter_four, finish, kernel_options, nbgrader_at
 
 ROOT = repo_root()
 CHAPTERS = chapters(ROOT)
@@ -242,35 +239,11 @@ STUDENTS = ("correct", "blank", "slips-a", "slips-b")
 
 
 def _nbgrader_at(course: Path, *args: str, lowest_priority: bool = False) -> subprocess.Popen:
-    # nbgrader runs `alembic` from PATH to set up its gradebook: the interpreter's bin folder goes first, as an
-    # activated virtual environment would have it. lowest_priority: the command and its kernels run at nice 19.
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    nice = ["nice", "-n", "19"] if lowest_priority and shutil.which("nice") else []  # not preexec_fn: threads
-    return subprocess.Popen([*nice, sys.executable, "-m", "nbgrader", *args], cwd=course, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    return nbgrader_at(course, *args, lowest_priority=lowest_priority)
 
 
-def _finish(process: subprocess.Popen, what: str) -> str:
-    try:
-        out, _ = process.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, _ = process.communicate()
-        pytest.fail(f"nbgrader {what} was still running after 600 s; its last output:\n{out[-4000:]}")
-    assert process.returncode == 0, f"nbgrader {what} failed:\n{out[-4000:]}"
-    return out
-
-
-def _kernel_options(course: Path, assignment: str) -> list[str]:
-    """Options for an autograde run: its kernels talk over Unix sockets in a folder of the course's own, not over
-    TCP ports, which jupyter_client picks, frees and hands to the kernel to bind again, so that a kernel of another
-    process on the machine can take one in between (an autograde once waited ten minutes on a kernel that never
-    answered). Each assignment has a folder of its own: jupyter_client names an IPC socket by the first free number
-    in its folder, so two autogrades running side by side in one folder could pick the same name. One cell may
-    take two minutes: a hang fails with its cell named, not with the whole run's timeout."""
-    sockets = course / "kernel-sockets" / assignment
-    sockets.mkdir(parents=True, exist_ok=True)
-    return ["--KernelManager.transport=ipc", f"--KernelManager.ip={sockets / 'k'}", "--Execute.timeout=120"]
+_finish = finish
+_kernel_options = kernel_options
 
 
 def _answered(release_nb, source_nb, slips: dict[str, str]):

@@ -263,10 +263,25 @@ def test_packed_forward_by_the_package_is_refused(answer, name):
         check_packed_forward(answer)
 
 
+def _pasted_suspect():
+    """The suspect's code pasted into an answer cell (the reader's own function, with the suspect's bug): calling
+    the package's suspect is refused (test_the_suspect_with_one_row_blocks_is_not_an_answer)."""
+    import inspect
+    import textwrap
+
+    from lightning_edu import validation
+
+    namespace = {"np": np, "validate_positive_int": validation.validate_positive_int,
+                 "validate_cu_seqlens": validation.validate_cu_seqlens, "validate_decay": validation.validate_decay}
+    exec(compile(textwrap.dedent(inspect.getsource(suspect_packed_forward)), "<answer 10.3>", "exec"), namespace)
+    return namespace["suspect_packed_forward"]
+
+
 @pytest.mark.parametrize("block", [8, 16, 32])
 def test_the_suspects_bug_is_recognised(block):
+    pasted = _pasted_suspect()
     with pytest.raises(ExerciseError, match="crosses a boundary inside a block"):
-        check_packed_forward(lambda q, k, v, lam, cu: suspect_packed_forward(q, k, v, lam, cu, block))
+        check_packed_forward(lambda q, k, v, lam, cu: pasted(q, k, v, lam, cu, block))
 
 
 def test_a_state_running_across_boundaries_is_recognised():
@@ -352,3 +367,37 @@ def test_a_float32_packed_output_is_named_as_such():
 
     with pytest.raises(ExerciseError, match="is float32"):
         check_packed_forward(float32_out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The cohort's findings: an allowed helper that is the answer, a transpose, a thread
+
+
+def test_the_suspect_with_one_row_blocks_is_not_an_answer():
+    # with block=1 every boundary starts a block, so the suspect is exact: it must not be allowed to stand in
+    with pytest.raises(IntegrityError, match="calls lightning_edu.exercises.ch10.suspect_packed_forward"):
+        check_packed_forward(lambda q, k, v, lam, cu: suspect_packed_forward(q, k, v, lam, cu, block=1))
+
+
+def test_lightning_attention_on_one_sequence_stays_allowed(capsys):
+    def per_sequence(q, k, v, lam, cu_seqlens):
+        out = np.zeros((q.shape[0], v.shape[1]))
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            if b > a:
+                out[a:b] = lightning_attention(q[None, None, a:b], k[None, None, a:b], v[None, None, a:b], lam)[0, 0]
+        return out
+
+    check_packed_forward(per_sequence)
+    assert "Correct" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("step", [
+    lambda q, k, v, state, lam: (q @ (lam * state + np.outer(v, k)), lam * state + np.outer(v, k)),
+    lambda q, k, v, state, lam: ((lam * state + np.outer(k, v)) @ q, lam * state + np.outer(k, v)),
+], ids=["outer-transposed", "read-transposed"])
+def test_a_transpose_that_breaks_the_shapes_gets_a_hint(step):
+    with pytest.raises(ExerciseError) as info:
+        check_step(step)
+    text = str(info.value)
+    assert "your step raised ValueError" in text and "Hint: a transpose: state is (d_k, d_v)" in text, text
+    assert "np.outer(k, v)" in text and "o = q @ new_state" in text

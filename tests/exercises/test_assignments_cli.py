@@ -1,6 +1,6 @@
 """``python -m lightning_edu.assignments`` refusing what it cannot do: one line naming the problem, exit status 2,
 and nothing left behind (no notebook rewritten, no course folder or file created). Fast: no nbgrader here (the
-course pipeline lives in tests/test_assignments.py)."""
+course pipeline lives in tests/exercises/test_assignments.py)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ import pytest
 
 from lightning_edu.exercises import ExerciseError
 from lightning_edu.exercises.ch05 import check_dk_inter, check_dkv_update, check_reverse_sweep
+from lightning_edu.numpy_blockwise import block_factors
 
 
 def _lam(decay):
@@ -150,3 +151,114 @@ def test_a_reverse_sweep_without_the_sweep_is_refused():
 
     with pytest.raises(ExerciseError, match="right values, but your code ran .* no loop over the blocks"):
         check_reverse_sweep(dense)
+
+
+# ---------------------------------------------------------------- slips the checks name (the cohort's findings)
+
+
+def sweep_variant(q, k, v, do, decay, block_size, order="reverse", dtype=np.float64, drop_short=False):
+    """The reverse sweep with one slip: the blocks walked first to last, the short last block dropped, or every
+    buffer in ``dtype``."""
+    n = q.shape[2]
+    dk, dv = np.empty_like(k, dtype=dtype), np.empty_like(v, dtype=dtype)
+    dkv = np.zeros(q.shape[:2] + (q.shape[-1], v.shape[-1]), dtype=dtype)
+    starts = list(range(0, n - (n % block_size if drop_short else 0), block_size))
+    for start in (reversed(starts) if order == "reverse" else starts):
+        rows = slice(start, min(start + block_size, n))
+        qi, ki, vi, doi = q[:, :, rows], k[:, :, rows], v[:, :, rows], do[:, :, rows]
+        mask, q_scale, k_scale, block_decay = block_factors(qi.shape[2], decay)
+        dk[:, :, rows] = ((doi @ vi.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ qi + k_scale * (vi @ dkv.swapaxes(-1, -2))
+        dv[:, :, rows] = ((qi @ ki.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ doi + k_scale * (ki @ dkv)
+        dkv = block_decay * dkv + (q_scale * qi).swapaxes(-1, -2) @ doi
+    return dk, dv
+
+
+def test_reverse_sweep_in_the_wrong_direction_is_named():
+    with pytest.raises(ExerciseError) as info:
+        check_reverse_sweep(lambda *a: sweep_variant(*a, order="forward"))
+    assert "the sweep walks the blocks from the first to the last" in str(info.value)
+    assert "reversed(range(0, n, block_size))" in str(info.value)
+
+
+def test_reverse_sweep_without_its_short_last_block_is_named():
+    with pytest.raises(ExerciseError) as info:
+        check_reverse_sweep(lambda *a: sweep_variant(*a, drop_short=True))
+    text = str(info.value)
+    assert "the short last block (rows 32-36, 5 of them) is left out" in text, text  # n = 37, blocks of 8
+
+
+def test_reverse_sweep_into_float32_buffers_is_named_for_its_dtype():
+    with pytest.raises(ExerciseError, match="dk is float32: the check compares with float64"):
+        check_reverse_sweep(lambda *a: sweep_variant(*a, dtype=np.float32))
+
+    def float32_inside(*a):  # accumulated in float32, handed back as float64: off by float32's rounding only
+        dk, dv = sweep_variant(*a, dtype=np.float32)
+        return dk.astype(np.float64), dv.astype(np.float64)
+
+    with pytest.raises(ExerciseError) as info:
+        check_reverse_sweep(float32_inside)
+    assert "that is the rounding of float32" in str(info.value) and "not a mistake in the algorithm" in str(info.value)
+    assert "per block, newest first" not in str(info.value)  # not the hint that blames the algorithm
+
+
+def test_an_empty_loop_beside_an_n_by_n_formula_is_refused_for_its_memory():
+    def dense_with_a_loop(q, k, v, do, decay, block_size):
+        for _ in range(0, q.shape[2], block_size):  # lines of Python per block, and nothing done in them
+            pass
+        i = np.arange(q.shape[2])
+        gap = i[:, None] - i[None, :]
+        lam = np.asarray(decay)[:, None, None]
+        mask = np.where(gap >= 0, lam ** np.maximum(gap, 0), 0.0)
+        return (((do @ v.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ q,
+                ((q @ k.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ do)
+
+    with pytest.raises(ExerciseError, match=r"right values and loops, but allocated .* MiB at n = 1024.*n x n matrix"):
+        check_reverse_sweep(dense_with_a_loop)
+
+
+def test_the_same_through_torch_autograd_is_refused_for_its_memory():
+    import torch
+
+    def autograd_with_a_loop(q, k, v, do, decay, block_size):
+        for _ in range(0, q.shape[2], block_size):
+            pass
+        qt, kt, vt = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+        i = torch.arange(q.shape[2])
+        gap = (i[:, None] - i[None, :]).double()
+        lam = torch.tensor(np.asarray(decay))[:, None, None]
+        mask = torch.where(gap >= 0, lam ** gap.clamp(min=0), torch.zeros(()).double())
+        o = ((qt @ kt.transpose(-1, -2)) * mask) @ vt
+        o.backward(torch.tensor(do))
+        return kt.grad.numpy(), vt.grad.numpy()
+
+    with pytest.raises(ExerciseError, match=r"allocated .* MiB at n = 1024"):
+        check_reverse_sweep(autograd_with_a_loop)
+
+
+def test_dkv_update_may_use_block_factors(capsys):
+    def with_block_factors(dkv, q_block, do_block, decay):
+        _, q_scale, _, block_decay = block_factors(q_block.shape[2], decay)
+        return block_decay * dkv + (q_scale * q_block).swapaxes(-1, -2) @ do_block
+
+    check_dkv_update(with_block_factors)
+    assert "Correct: dKV update right" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("transpose", [lambda x: x.T, lambda x: x], ids=["dot-T", "none"])
+def test_dkv_update_with_a_transpose_missing_gets_a_hint(transpose):
+    def update_t(dkv, q_block, do_block, decay):
+        _, q_scale, _, block_decay = block_factors(q_block.shape[2], decay)
+        return block_decay * dkv + transpose(q_scale * q_block) @ do_block
+
+    with pytest.raises(ExerciseError) as info:
+        check_dkv_update(update_t)
+    assert "dkv_update raised ValueError" in str(info.value)
+    assert "Hint: a transpose is missing or on the wrong axes" in str(info.value)
+    assert ".swapaxes(-1, -2)" in str(info.value)
+
+
+def test_dk_inter_with_a_transpose_missing_gets_a_hint():
+    with pytest.raises(ExerciseError) as info:
+        check_dk_inter(lambda v, s, d: v @ s)
+    assert "Hint: a transpose is missing or on the wrong axes: V_i dKV^T" in str(info.value)
+    assert "dkv.swapaxes(-1, -2)" in str(info.value)
