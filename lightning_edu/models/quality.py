@@ -73,39 +73,25 @@ PRESETS = {
         mqar=dict(d_model=128, heads=2, layers=2, seq_len=128, vocab=65, batch=512, steps=500, lr=1e-3, warmup=100,
                   log_every=50, pairs=(8, 12, 16, 24), eval_batch=512)),
 }
-"""Experiment sizes. "cpu" runs on a laptop's CPU: the language model in about a minute on two cores, MQAR in
-about 70 s (ten runs of 5-8 s), softmax recalling at 0.99 or more at 4 and 8 pairs (seeds 0 to 3 tried). "gpu" is
-the recorded run (chapter 13; an H100, bf16 autocast). Its MQAR (sequences of 128, vocabulary 65, width 128, two
-layers of two heads, 500 steps of 512) ran 19 of its 20 runs on an H100 within ``--budget 200`` (the hybrid at 24
-pairs was left out), 9-13 s a run, Triton's compilation included (notebooks/data/quality_mqar_h100.json; 8, 12,
-16, 24 pairs: softmax 1.000 at each; lightning 0.70, 0.21, 0.06, 0.04; learned ReLU^2 0.12, 0.48, 0.22, 0.07;
-elu+1 and the hybrid at about 1/pairs). The middle of the table is one seed at the edge of a plateau: another
-run of the same preset put lightning at 0.46 at 8 pairs and ReLU^2 at 0.19 at 12 (chapter 13).
+"""Experiment sizes. "cpu" runs on a laptop's CPU (the language model in about a minute on two cores, MQAR in about
+as long); "gpu" is the recorded preset of chapter 13 (bf16 autocast). The records in notebooks/data/ (quality_*)
+hold what each run measured.
 
 Why the MQAR recipe is what it is. A model first learns to answer with *some* value of its sequence (accuracy
-1/pairs, loss log(pairs): a plateau) and only later, suddenly, with the right one; whether and when it turns
-is what the recipe decides. Figures from softmax models unless named, "cpu" sizes on one CPU core, "gpu" sizes
-on an H100 or H200:
+1/pairs, loss log(pairs): a plateau) and only later, suddenly, with the right one; whether and when it turns is
+what the recipe decides. Each choice below came from short exploratory runs at these sizes (not kept as records):
 
-* **The warm-up.** Vocabulary 256, 16 pairs, sequences of 64, batches of 128, lr 2e-3: with 100 warm-up steps
-  the model recalled (0.998) after 500 steps; without, it was still guessing (0.06) after 800.
-* **Batches of hundreds of sequences.** The loss sees only the ``pairs`` queries of a sequence. With batches of
-  32 (4 pairs in sequences of 48) a model guessed for 2000 steps before it turned; with 128 it recalled after 500.
-* **The share of the keys that one sequence uses** (pairs / ((vocab - 1) // 2)) matters more than the
-  vocabulary's size. At "gpu" sizes: 4 pairs among 32 keys turned for some seeds and settings and not for
-  others, 4 among 64 for none of four seeds (600 steps); 8, 16 and 24 among 32 turned within 300 steps (seed 0,
-  lr 1e-3; but see the learning rate). Every key in every sequence (32 pairs among 32 keys) is the opposite
-  trap: every value is then in every sequence, guessing among them is the blind guess, and no model left
-  log(32) (softmax in 900 steps, the others in 600), while 32 pairs among 64 keys were recalled after 300.
-  Hence vocabulary 65 (32 keys, 32 values) and 8 to 24 pairs, a quarter to three quarters of the keys.
-  (Zoology's vocabulary of 8192 suits its far longer training, tens of thousands of steps.)
-* **The learning rate.** At 8 pairs, lr 1e-3 turned for seed 0 (the recorded one) but left seeds 1 and 2 on the
-  plateau after 500 steps; 2e-3 and 3e-3 turned for them. At 24 pairs 1e-3 turned for seeds 0 and 1, 3e-3 for
-  neither; 3e-3 also failed 4 pairs (and failed for the lightning model at 8). "gpu" takes 1e-3, with which the
-  whole preset was tried. One seed a point: a model that stayed on the plateau may have turned a little later.
-* **Width.** At "cpu" sizes (sequences of 24, vocabulary 32, batches of 64, lr 3e-3) a model of width 32 turned
-  at about step 200 (4 pairs) and 350 (8 pairs), and at lr 5e-3 or 1e-2 not within 400; one of width 64 at
-  about 150 and 200, for each of seeds 0 to 3, which is why "cpu" takes width 64 and 250 steps.
+* **A learning-rate warm-up**: at full rate from the first step Adam's updates left the models on the plateau.
+* **Batches of hundreds of sequences**: the loss sees only the ``pairs`` queries of a sequence, and the turn needs
+  many answers per step.
+* **The share of the keys one sequence uses** (pairs / ((vocab - 1) // 2)) matters more than the vocabulary's
+  size: too few pairs among many keys never turned, every key in every sequence makes guessing among the values
+  the blind guess. Hence vocabulary 65 (32 keys, 32 values) and 8 to 24 pairs, a quarter to three quarters of the
+  keys (Zoology's vocabulary of 8192 suits its far longer training).
+* **The learning rate** 1e-3, with which the whole preset was tried, and a width of 64 for "cpu", the narrowest
+  that turned for every seed tried.
+* **Steps**: at 500 steps a cell in the middle of the table is a seed caught before or after its turn; the
+  record quality_mqar_steps_h200 measures how many steps three seeds need to agree.
 """
 
 
