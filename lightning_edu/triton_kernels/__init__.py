@@ -47,7 +47,8 @@ from ..validation import device_decay
 from .la2_fast import la2_fast_backward, la2_fast_forward
 from .la2_literal import la2_literal_backward, la2_literal_forward
 from .la3 import la3_backward
-from .ops import EagerLA2, forward_impl, la2_backward, la2_forward
+from . import ops
+from .ops import EagerLA2, la2_backward, la2_forward
 from .plan import backward_kernel, kernel_config, tiles_for
 
 __all__ = ["VARIANTS", "triton_attention", "autograd_log2_decay",
@@ -154,7 +155,7 @@ def triton_attention(q, k, v, decay, initial_state=None, block_size=None):
     elif save:  # eager, plain tensors: the same code without the dispatcher's cost (:class:`.ops.EagerLA2`)
         o, sn, _ = EagerLA2.apply(q, k, v, log2_decay, initial_state, block_size, save)
     else:  # and with no gradient to follow, without the Function's either
-        o, sn, _ = forward_impl(q, k, v, log2_decay, initial_state, block_size, save)
+        o, sn, _ = ops.forward_impl(q, k, v, log2_decay, initial_state, block_size, save)
     return o, sn
 
 
