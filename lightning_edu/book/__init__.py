@@ -106,28 +106,27 @@ def _importable(module: str) -> bool:
         return False
 
 
-def _moved(command: str) -> list[str]:
-    """The notes "X is Y today" for the names of ``command`` that :data:`MOVED` lists and that no longer exist."""
+def _gone(old: str, command: str) -> bool:
+    """Whether ``command`` names the module or folder ``old`` (a key of :data:`MOVED`) and it no longer exists."""
     import re
 
-    notes = []
-    for old, new in MOVED.items():
-        if "/" in old:
-            gone = re.search(rf"(?<![\w/]){re.escape(old)}(?![\w])", command) and not (repo_root() / old).exists()
-        else:
-            gone = re.search(rf"-m {re.escape(old)}(?![\w.])", command) and not _importable(old)
-        if gone:
-            notes.append(f"{old} is {new} today")
-    return notes
+    if "/" in old:
+        return bool(re.search(rf"(?<![\w/]){re.escape(old)}(?![\w])", command)) and not (repo_root() / old).exists()
+    return bool(re.search(rf"-m {re.escape(old)}(?![\w.])", command)) and not _importable(old)
+
+
+def _moved(command: str) -> list[str]:
+    """The notes "X is Y today" for the names of ``command`` that :data:`MOVED` lists and that no longer exist."""
+    return [f"{old} is {new} today" for old, new in MOVED.items() if _gone(old, command)]
 
 
 def current_command(command: str) -> str:
-    """``command`` with each module or folder :data:`MOVED` lists (and that no longer exists) replaced by where it
-    lives today: the command to run again, from the repository root."""
+    """``command`` with each module :data:`MOVED` lists (and that no longer exists) replaced by where it lives
+    today: the command to run again, from the repository root."""
     import re
 
     for old, new in MOVED.items():
-        if "/" not in old and re.search(rf"-m {re.escape(old)}(?![\w.])", command) and not _importable(old):
+        if "/" not in old and _gone(old, command):
             command = re.sub(rf"-m {re.escape(old)}(?![\w.])", f"-m {new}", command)
     return command
 

@@ -44,11 +44,8 @@ import numpy as np
 import torch
 
 from ..validation import device_decay
-from .la2_fast import la2_fast_backward, la2_fast_forward
-from .la2_literal import la2_literal_backward, la2_literal_forward
-from .la3 import la3_backward
 from . import ops
-from .ops import EagerLA2, la2_backward, la2_forward
+from .ops import VARIANTS, EagerLA2, la2_backward, la2_forward
 from .plan import backward_kernel, kernel_config, tiles_for
 
 __all__ = ["VARIANTS", "triton_attention", "autograd_log2_decay",
@@ -56,14 +53,6 @@ __all__ = ["VARIANTS", "triton_attention", "autograd_log2_decay",
            "log2_decay_tensor"]
 
 
-# The Lightning Attention-2 variants share one signature: forward(q, k, v, log2_decay, initial_state, ...)
-# -> (o, final_state) and backward(q, k, v, do, log2_decay, initial_state, d_final_state, ...) ->
-# (dq, dk, dv, d_initial_state). LA-1 has its own wrapper in ``la1`` (no state to carry).
-VARIANTS = {
-    "la2_literal": (la2_literal_forward, la2_literal_backward),
-    "la2_fast": (la2_fast_forward, la2_fast_backward),
-    "la3": (la2_fast_forward, la3_backward),  # la2_fast's forward, the recompute-heavy backward
-}
 
 
 _LOG2_DECAY: dict = {}  # (device, log2 values) -> the device tensor, built once

@@ -56,6 +56,7 @@ from ..torch_chunked import decay_gradient, first_derivative_only
 from . import _tiles
 from ._tiles import compile_ahead, is_dense, record_plan, upcast_for_interpreter
 from .la2_fast import la2_fast_backward, la2_fast_forward, output_like
+from .la2_literal import la2_literal_backward, la2_literal_forward
 from .la3 import la3_backward
 from .plan import (
     backward_kernel,
@@ -71,9 +72,16 @@ from .plan import (
     whole_dv_plan,
 )
 
-BACKWARDS = {"la2_fast": la2_fast_backward, "la3": la3_backward}  # plan.backward_kernel names one of these
+# The Lightning Attention-2 variants share one signature: forward(q, k, v, log2_decay, initial_state, ...)
+# -> (o, final_state) and backward(q, k, v, do, log2_decay, initial_state, d_final_state, ...) ->
+# (dq, dk, dv, d_initial_state). LA-1 has its own wrapper in ``la1`` (no state to carry).
+VARIANTS = {
+    "la2_literal": (la2_literal_forward, la2_literal_backward),
+    "la2_fast": (la2_fast_forward, la2_fast_backward),
+    "la3": (la2_fast_forward, la3_backward),  # la2_fast's forward, the recompute-heavy backward
+}
 
-__all__ = ["la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
+__all__ = ["VARIANTS", "la2_forward", "la2_backward", "forward_impl", "backward_impl", "EagerLA2", "launch_plan",
            "compute_dtype", "ahead_key", "forget_plans", "recorded_launches"]
 
 
@@ -301,7 +309,7 @@ def _backward_launchers(q, k, v, do, log2_decay, initial_state, d_final_state, i
                         d_initial_state):
     """(dq, dk, dv, d_initial_state or None) by the backend's backward kernel on the backend's tiles."""
     qc, kc, vc, doc = upcast_for_interpreter(q, k, v, do)
-    backward = BACKWARDS[backward_kernel(qc.shape[-1], vc.shape[-1], qc.dtype)]
+    backward = VARIANTS[backward_kernel(qc.shape[-1], vc.shape[-1], qc.dtype)][1]
     dq, dk, dv, ds0 = backward(qc, kc, vc, doc, log2_decay.float().contiguous(), initial_state, d_final_state,
                                saved=(seg_len, incoming if num_seg > 1 else None), d_initial_state=d_initial_state,
                                **cfg)
