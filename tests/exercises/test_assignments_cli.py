@@ -135,3 +135,24 @@ def test_a_course_that_cannot_write_takes_back_its_files_and_folders(capsys, mon
     (kept / "source" / "notes.txt").write_text("mine")
     _refused(capsys, ["course", str(kept), "--chapters", "03"], "Read-only file system")
     assert sorted(p.relative_to(kept).as_posix() for p in kept.rglob("*")) == ["source", "source/notes.txt"]
+
+
+def test_nbgrader_commands_start_from_the_sessions_environment_not_the_one_of_the_moment(monkeypatch, tmp_path):
+    """The course pipeline starts nbgrader beside the other tests, which change os.environ for a while (a guarded
+    check puts its sentinels on PYTHONPATH; tests set one-second time limits): a command started then must not
+    inherit them."""
+    import course_fixtures
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, args, **kwargs):
+            seen.update(kwargs["env"])
+
+    monkeypatch.setattr(course_fixtures.subprocess, "Popen", Recorder)
+    monkeypatch.setenv("LIGHTNING_EDU_CALL_TIME_LIMIT", "1")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "sentinels"))
+    course_fixtures.nbgrader_at(tmp_path, "--version", env={"ADDED": "yes"})
+    assert seen.get("LIGHTNING_EDU_CALL_TIME_LIMIT") == course_fixtures._ENVIRONMENT.get("LIGHTNING_EDU_CALL_TIME_LIMIT")
+    assert seen.get("PYTHONPATH") == course_fixtures._ENVIRONMENT.get("PYTHONPATH")
+    assert seen["ADDED"] == "yes"
