@@ -30,6 +30,9 @@ def main(argv=None) -> int:
                         help="seeds of every run (default: the preset's for the language model, 0 for MQAR)")
     parser.add_argument("--steps", type=int, default=None, help="training steps of every run (default: the preset's)")
     parser.add_argument("--pairs", type=int, nargs="+", default=None, help="MQAR's pair counts (default: the preset's)")
+    parser.add_argument("--short-conv", type=int, default=0, metavar="WIDTH",
+                        help="a causal depthwise convolution of this width (>= 2) before every attention, as Zoology "
+                             "gives every model (default 0: none)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
@@ -40,10 +43,14 @@ def main(argv=None) -> int:
         parser.error(f"--steps must be at least 1, got {args.steps}")
     if args.pairs is not None and min(args.pairs) < 1:
         parser.error(f"--pairs must be at least 1, got {args.pairs}")
+    if args.short_conv < 0 or args.short_conv == 1:
+        parser.error(f"--short-conv must be 0 (none) or a width of at least 2, got {args.short_conv}")
     preset = {name: dict(cfg) for name, cfg in PRESETS[args.preset].items()}
     for cfg in preset.values():
         if args.steps is not None:
             cfg["steps"] = args.steps
+        if args.short_conv:
+            cfg["short_conv"] = args.short_conv
     if args.seeds is not None:
         preset["lm"]["seeds"] = tuple(args.seeds)
     mqar_seeds = tuple(args.seeds) if args.seeds is not None else (0,)

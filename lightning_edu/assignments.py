@@ -448,21 +448,24 @@ def student_source(nb):
     for cell in nb.cells[:start]:
         if cell.cell_type != "code" or "show_source" not in _source(cell):
             continue
-        lines, changed = [], False
+        lines, printed, others = [], [], False
         for line in _source(cell).splitlines():
             match = _SHOW_SOURCE.match(line)
             target = match.group(2).removesuffix(".fn").split(".")[-1] if match else None
             if target in hidden:
                 numbers = hidden[target]
                 which = f"exercise {numbers[0]} asks" if len(numbers) == 1 else f"exercises {', '.join(numbers)} ask"
-                lines.append(f'{match.group(1)}print("The source of {target} is left out of this assignment: '
-                             f'{which} you to write it.")')
-                changed = True
+                printed.append(f"The source of {target} is left out of this assignment: {which} you to write it.")
+                lines.append(f'{match.group(1)}print("{printed[-1]}")')
             else:
                 lines.append(line)
-        if changed:
+                others = others or bool(line.strip()) and not line.strip().startswith("#")
+        if printed:
             cell.source = "\n".join(lines)
-            cell.outputs = []
+            # what the cell prints, shown before it runs (on the website it never runs); a cell that does more
+            # than print these lines gets its outputs when it runs
+            cell.outputs = [] if others else [nbformat.v4.new_output("stream", name="stdout",
+                                                                     text="\n".join(printed) + "\n")]
             cell.execution_count = None
     return nb
 

@@ -10,9 +10,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ..numpy_reference import decay_mask
-from .plots import color
 from ..validation import validate_decay, validate_positive_int
-
+from .plots import color, fixed_titles, png_bytes
 from .widgets import live_box
 
 __all__ = ["DECAY_CHOICES", "effective_context", "render_decay_view", "decay_explorer"]
@@ -36,7 +35,9 @@ def effective_context(decay) -> np.ndarray | float:
 def _draw(fig: Figure, decay: float, n: int) -> None:
     lam = float(validate_decay(decay, None)[0])
     mask = decay_mask(n, lam)
-    ax_mask, ax_profile = fig.subplots(1, 2)
+    # a fixed layout: a constrained one measures every label at each draw, most of a redraw's time
+    ax_mask, ax_profile = fig.subplots(1, 2, gridspec_kw=dict(left=0.055, right=0.985, bottom=0.13, top=0.91,
+                                                              wspace=0.22))
     image = ax_mask.imshow(mask, cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
     ax_mask.set_title(f"M for lambda = {lam:g}  (n = {n})")
     ax_mask.set_xlabel("key position s")
@@ -54,6 +55,7 @@ def _draw(fig: Figure, decay: float, n: int) -> None:
     ax_profile.set_xlabel("distance t - s (tokens)")
     ax_profile.set_ylabel("weight")
     ax_profile.legend(loc="upper right")
+    fixed_titles(fig)
 
 
 def render_decay_view(decay: float = 0.9, n: int = 32) -> Figure:
@@ -63,7 +65,7 @@ def render_decay_view(decay: float = 0.9, n: int = 32) -> Figure:
     one image whose data is ``decay_mask(n, decay)``. (Chapter 03.)
     """
     n = validate_positive_int("n", n)
-    fig = Figure(figsize=(11.0, 4.2), layout="constrained")
+    fig = Figure(figsize=(11.0, 4.2))
     _draw(fig, decay, int(n))
     return fig
 
@@ -72,10 +74,11 @@ def decay_explorer(n: int = 32, decay: float = 0.875, choices=DECAY_CHOICES):
     """A slider over ``choices`` of lambda that redraws :func:`render_decay_view` when released. (Chapter 03.)
 
     Returns an ipywidgets VBox with extra attributes: ``slider`` (a SelectionSlider, continuous_update=False),
-    ``figure`` (the matplotlib Figure it redraws) and ``output`` (the Output widget showing it).
+    ``figure`` (the matplotlib Figure it redraws) and ``output`` (the Output widget showing it as a PNG). CSS classes
+    for the browser: lightning-decay-slider and lightning-decay-plot (the Output).
     """
     import ipywidgets as widgets
-    from IPython.display import clear_output, display
+    from IPython.display import Image, clear_output, display
 
     choices = tuple(float(c) for c in validate_decay(list(choices), None))
     if float(decay) not in choices:
@@ -87,7 +90,9 @@ def decay_explorer(n: int = 32, decay: float = 0.875, choices=DECAY_CHOICES):
         continuous_update=False,  # redraw when released: each redraw renders a whole figure
         layout=widgets.Layout(width="60%"),
     )
+    slider.add_class("lightning-decay-slider")
     output = widgets.Output()
+    output.add_class("lightning-decay-plot")
     figure = render_decay_view(float(decay), n)
 
     def redraw(change=None):
@@ -95,7 +100,7 @@ def decay_explorer(n: int = 32, decay: float = 0.875, choices=DECAY_CHOICES):
         _draw(figure, slider.value, n)
         with output:
             clear_output(wait=True)
-            display(figure)
+            display(Image(data=png_bytes(figure), format="png"))
 
     slider.observe(redraw, names="value")
     box = live_box([slider, output], "The decay explorer")

@@ -17,7 +17,6 @@ overflow to inf, whatever lambda and B are.
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,7 +27,7 @@ from matplotlib.figure import Figure
 from ..checks import random_qkv
 from ..costs import POWERS_OF_TWO, Hardware, attention_cost, block_size_sweep, modelled_time
 from ..validation import validate_decay, validate_positive_int
-from .plots import color
+from .plots import color, fixed_titles, png_bytes
 from .widgets import live_box
 
 __all__ = ["BLOCK_SIZES", "DECAYS", "SEQ_LENS", "explorer_numbers", "render_explorer", "explorer"]
@@ -39,10 +38,18 @@ DECAYS = (0.001, 0.01, 0.05, 0.1, 0.5, 0.9, 0.99, 0.999, 1.0)
 DIMS = (16, 32, 64, 128, 256)
 SEQ_LENS = tuple(2**p for p in range(10, 17))  # 1K .. 64K
 COST_SETTING = dict(batch=1, heads=16, dtype_bytes=2)  # bf16, 16 heads: the setting the cost views model
-ERROR_TOKENS = 2 * max(BLOCK_SIZES) + 37  # the error view runs this many tokens (n if smaller): two blocks and a bit
+ERROR_EXTRA_TOKENS = 37  # the error view runs two blocks and this many tokens more (n if smaller): two block edges
 ERROR_MAX_D = 64  # ... with d_k = d_v = min(d, 64), so that a redraw stays well under a second
 FLOAT64_MAX_LOG10 = math.log10(np.finfo(np.float64).max)  # 308.25
 FLOAT64_TINY_LOG10 = math.log10(np.finfo(np.float64).smallest_subnormal)  # -323.3
+
+
+def error_size(block_size: int, d: int, n: int) -> tuple[int, int]:
+    """(tokens, d) of the error view's problem for a setting: the first two blocks and 37 tokens of the sequence
+    (every kind of row the blockwise pass has: inside the first block, after one and after two block edges, and a
+    short last block), and d capped at 64. The error depends on lambda, B and d, not on how many more blocks
+    follow; the caps keep a redraw well under a second, and the readout names them."""
+    return min(n, 2 * block_size + ERROR_EXTRA_TOKENS), min(d, ERROR_MAX_D)
 
 
 def _check(block_size, decay, d, n):
@@ -95,6 +102,12 @@ class ExplorerNumbers:
     error_d: int
     relative_error: float
 
+    def _error_problem(self) -> str:
+        tokens = f"all {self.n} tokens" if self.error_tokens == self.n else \
+            f"the first {self.error_tokens} of the {self.n} tokens (two blocks and {ERROR_EXTRA_TOKENS})"
+        d = f"d = {self.error_d}" if self.error_d == self.d else f"d = {self.error_d} (of {self.d})"
+        return f"{tokens}, {d}"
+
     def html(self) -> str:
         fits = "fits" if self.sram_bytes_per_block <= self.sram_capacity else "does NOT fit"
         t = "inf (block does not fit on chip)" if math.isinf(self.modelled_time) else f"{self.modelled_time * 1e6:.1f} &micro;s"
@@ -105,7 +118,7 @@ class ExplorerNumbers:
             ("HBM traffic", f"{self.hbm_bytes / 2**20:.3g} MiB"),
             ("on chip per block", f"{self.sram_bytes_per_block / 1024:.4g} KiB ({fits} in {self.sram_capacity // 1024} KiB)"),
             ("modelled time", f"{t}; best B = {self.best_block_size}"),
-            ("blockwise vs recurrent", f"relative error {self.relative_error:.1e} (float64; {self.error_tokens} tokens, d = {self.error_d})"),
+            ("blockwise vs recurrent", f"relative error {self.relative_error:.1e} (float64, on {self._error_problem()})"),
         ]
         body = "".join(f"<tr><td style='padding-right:1em'><b>{k}</b></td><td>{v}</td></tr>" for k, v in rows)
         return f"<table class='lightning-explorer-readout'>{body}</table>"
@@ -130,12 +143,12 @@ def explorer_numbers(block_size: int = 64, decay: float = 0.9, d: int = 64, n: i
     cost = attention_cost("blockwise", n, d, d, block_size, **COST_SETTING)
     _, sweep, times, _ = _cost_sweep(block_size, d, n, hw)
     best = min(range(len(sweep)), key=lambda i: (times[i], sweep[i].block_size))
-    tokens = min(n, ERROR_TOKENS)
-    _, rel = _blockwise_error(block_size, lam, min(d, ERROR_MAX_D), tokens)
+    tokens, error_d = error_size(block_size, d, n)
+    _, rel = _blockwise_error(block_size, lam, error_d, tokens)
     return ExplorerNumbers(
         block_size, lam, d, n, cost.num_blocks, cost.intra_flops, cost.inter_flops, cost.state_flops,
         cost.hbm_bytes, cost.sram_bytes_per_block, hw.sram_bytes, modelled_time(cost, hw), sweep[best].block_size,
-        tokens, min(d, ERROR_MAX_D), rel,
+        tokens, error_d, rel,
     )
 
 
@@ -147,7 +160,7 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
     log_lam = math.log10(lam)
     # a fixed layout: constrained layout measures every tick label and triples the redraw time
     fig = Figure(figsize=(12.0, 7.2))  # at 100 dpi: 1200 x 720 px, the width of a notebook cell and of a site page
-    axes = fig.subplots(2, 3, gridspec_kw=dict(left=0.05, right=0.985, bottom=0.07, top=0.9, wspace=0.3, hspace=0.32))
+    axes = fig.subplots(2, 3, gridspec_kw=dict(left=0.068, right=0.985, bottom=0.07, top=0.9, wspace=0.36, hspace=0.32))
     fig.suptitle(f"Block size B = {block_size}, decay λ = {lam:g}, d_k = d_v = {d}, n = {n}")  # plain text: mathtext parsing slows redraws
 
     # 1. the mask M, as exponents: log10 M[r, s] = (r - s) log10 lambda below the diagonal
@@ -157,8 +170,8 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
     exponent = np.where(gap >= 0, gap * log_lam, np.nan)
     low = min(-1.0, (block_size - 1) * log_lam)
     image = ax.imshow(exponent, cmap="viridis", vmin=low, vmax=0.0, interpolation="nearest")
-    fig.colorbar(image, ax=ax, label="log10 M[r, s]  (blank: 0)")
-    ax.set(title="intra-block decay mask M", xlabel="key row s in the block", ylabel="query row r in the block")
+    fig.colorbar(image, ax=ax)  # unlabelled (the title says it): a label there meets the next panel's at large B
+    ax.set(title="mask M (colour: log10 M)", xlabel="key row s in the block", ylabel="query row r in the block")
 
     # 2. the diagonal factors, and the literal Lambda^-1 against float64's range
     ax = axes[0, 1]
@@ -212,18 +225,19 @@ def render_explorer(block_size: int = 64, decay: float = 0.9, d: int = 64, n: in
 
     # 6. the error of the numpy blockwise result against the recurrent scan
     ax = axes[1, 2]
-    tokens = min(n, ERROR_TOKENS)
-    per_token, rel = _blockwise_error(block_size, lam, min(d, ERROR_MAX_D), tokens)
+    tokens, error_d = error_size(block_size, d, n)
+    per_token, rel = _blockwise_error(block_size, lam, error_d, tokens)
     floor = 1e-19  # exact tokens (error 0) are drawn on this floor
     ax.semilogy(np.arange(tokens), np.maximum(per_token, floor), ".", ms=2, color=color("blockwise"))
     for start in range(block_size, tokens, block_size):
-        ax.axvline(start, color=color("floor"), lw=0.5, alpha=0.5)
+        ax.axvline(start, color=color("floor"), lw=0.5, alpha=0.5, label="block edge" if start == block_size else None)
     ax.axhline(np.finfo(np.float64).eps, color=color("floor"), ls="--", lw=0.8, label="float64 epsilon")
     ax.set_ylim(floor / 2, 1e-10)
     ax.set(title=f"blockwise vs recurrent: error {rel:.1e}",
-           xlabel=f"token t of {tokens}, d = {min(d, ERROR_MAX_D)} (grey: block edges)",
+           xlabel=f"token t (the first {tokens}), d = {error_d}",
            ylabel="max |difference| / max |o|")
     ax.legend(fontsize=9, loc="upper right")
+    fixed_titles(fig)
     return fig
 
 
@@ -237,12 +251,6 @@ def _log2_axes(ax, sizes):
     ax.yaxis.set_major_locator(LogLocator(base=10, numticks=6))
     ax.yaxis.set_minor_formatter(NullFormatter())  # unlabelled minor ticks: fewer texts to lay out
     ax.grid(True, which="major", alpha=0.3)
-
-
-def _png(fig: Figure) -> bytes:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)  # 9-point legends read at about 12 px
-    return buffer.getvalue()
 
 
 class BlockExplorer:
@@ -288,7 +296,7 @@ class BlockExplorer:
         setting = self.setting()
         self.numbers = explorer_numbers(**setting)
         self.readout.value = self.numbers.html()
-        self.image.value = _png(render_explorer(**setting))
+        self.image.value = png_bytes(render_explorer(**setting))
 
     def _on_change(self, change) -> None:
         self.redraw()

@@ -18,7 +18,6 @@ at sigma = 0.5, sharp ones at sigma = 2). At n = 128, d = 16, lambda = 1 the tit
 
 from __future__ import annotations
 
-import io
 import math
 import numbers
 
@@ -29,6 +28,7 @@ from matplotlib.figure import Figure
 from ..feature_maps import LearnedReLU2, attention_weights
 from ..validation import check_finite_scalar, validate_choice, validate_decay, validate_positive_int
 
+from .plots import png_bytes
 from .widgets import live_box
 
 __all__ = [
@@ -206,12 +206,6 @@ def render_feature_view(feature_map: str = "elu+1", d_feature: int | None = None
     return fig
 
 
-def _png(fig: Figure) -> bytes:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    return buffer.getvalue()
-
-
 def feature_explorer(feature_map: str = "elu+1", d_feature: int = 16, decay: float = 1.0, *, n: int = 32, d: int = 16,
                      scale: float = 1.0, seed: int = 0):
     """Controls for the map, d' and lambda that redraw :func:`render_feature_view`. (Chapter 11.)
@@ -269,7 +263,7 @@ def feature_explorer(feature_map: str = "elu+1", d_feature: int = 16, decay: flo
         _draw(figure, box.data)
         with output:
             clear_output(wait=True)
-            display(Image(data=_png(figure), format="png"))
+            display(Image(data=png_bytes(figure), format="png"))
 
     for control in (map_control, d_control, decay_control):
         control.observe(redraw, names="value")

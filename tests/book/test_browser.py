@@ -1,11 +1,11 @@
-"""A real browser: JupyterLab runs chapter 04 in Debian's Chromium, and the block-size slider moves.
+"""A real browser: JupyterLab runs the book's sliders (chapters 03, 04 and 11) in Debian's Chromium, and they redraw.
 
 Starts JupyterLab from .venv on a random loopback port (no token) over a temporary copy of the
 notebook, opens it in /usr/bin/chromium through Playwright (never Playwright's own browser download),
 runs all cells from the Run menu, focuses the explorer's block-size slider, presses ArrowRight, and
-asserts that the readout and the plot change. A second test runs chapter 11's feature explorer from a small
-notebook written into the same server's folder, moves its decay slider with the keyboard and picks the learned
-map in its dropdown. Screenshots go to test-artifacts/ (git-ignored). One JupyterLab serves the whole module.
+asserts that the readout and the plot change. A second test runs chapter 11's feature explorer and chapter 03's
+decay explorer from a small notebook written into the same server's folder, moves their sliders with the
+keyboard and picks the learned map in the feature explorer's dropdown. Screenshots go to test-artifacts/ (git-ignored). One JupyterLab serves the whole module.
 """
 
 from __future__ import annotations
@@ -193,16 +193,21 @@ def test_block_size_slider_redraws_explorer_in_chromium(jupyter_lab):
     assert time.monotonic() - started < 150
 
 
-def test_feature_explorer_decay_slider_redraws_in_chromium(jupyter_server):
-    """Chapter 11's feature explorer in a small notebook of its own: the decay slider, moved with the keyboard,
-    redraws the plot; choosing the learned map in the dropdown enables the d' slider and redraws again."""
+def test_feature_explorer_and_decay_explorer_sliders_redraw_in_chromium(jupyter_server):
+    """Chapter 11's feature explorer and chapter 03's decay explorer in a small notebook of their own (one cell, one
+    kernel start): the feature explorer's decay slider, moved with the keyboard, redraws its plot; choosing the
+    learned map in the dropdown enables the d' slider and redraws again; the decay explorer's slider, moved with
+    the keyboard, redraws its plot."""
     import nbformat
     from playwright.sync_api import expect, sync_playwright
 
     url, root = jupyter_server
     name = "feature_explorer_check.ipynb"
     notebook = nbformat.v4.new_notebook(
-        cells=[nbformat.v4.new_code_cell("from lightning_edu.book.feature_view import feature_explorer\nfeature_explorer()")],
+        cells=[nbformat.v4.new_code_cell("from IPython.display import display\n"
+                                         "from lightning_edu.book.decay_view import decay_explorer\n"
+                                         "from lightning_edu.book.feature_view import feature_explorer\n"
+                                         "display(decay_explorer())\nfeature_explorer()")],
         metadata={"kernelspec": {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}},
     )
     nbformat.write(notebook, root / name)
@@ -271,6 +276,24 @@ def test_feature_explorer_decay_slider_redraws_in_chromium(jupyter_server):
                 page.wait_for_timeout(500)
                 explorer_box.screenshot(path=str(ARTIFACTS / "ch11_feature_explorer_learned.png"))
                 page.screenshot(path=str(ARTIFACTS / "ch11_jupyterlab.png"))
+
+                # chapter 03: lambda = 0.875 moves to the next choice, 0.9375, and the mask redraws
+                slider = page.locator(".lightning-decay-slider").first
+                slider.scroll_into_view_if_needed()
+                expect(slider.locator(".widget-readout")).to_have_text("0.875")
+                decay_src = page.locator(".lightning-decay-plot img").first.get_attribute("src")
+                assert decay_src, "the decay explorer's plot image has no src"
+                slider.locator(".noUi-handle").first.focus()
+                page.keyboard.press("ArrowRight")
+                expect(slider.locator(".widget-readout")).to_have_text("0.9375", timeout=30_000)
+                page.wait_for_function(
+                    "([sel, old]) => { const img = document.querySelector(sel); return img && img.src && img.src !== old; }",
+                    arg=[".lightning-decay-plot img", decay_src],
+                    timeout=30_000,
+                )
+                page.wait_for_timeout(500)
+                slider.locator("xpath=ancestor::div[contains(@class, 'jp-OutputArea-output')][1]").screenshot(
+                    path=str(ARTIFACTS / "ch03_decay_explorer_after_arrow_right.png"))
             finally:
                 browser.close()
     finally:

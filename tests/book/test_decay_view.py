@@ -82,3 +82,17 @@ def test_effective_context():
     # the horizon is the sum of the weights lambda^j (truncated far out)
     lam = 0.97
     assert math.isclose(effective_context(lam), float(np.sum(lam ** np.arange(5000))), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("decay", [0.05, 0.99609375, 1.0])
+def test_no_panel_is_cut_at_the_figures_edges_nor_overlaps_the_next(decay):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = render_decay_view(decay, 32)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]  # the mask, the profile, the mask's colour bar
+    for box in boxes:
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y0 >= 0 and box.y1 <= fig.bbox.height
+    assert boxes[0].x1 < boxes[2].x0 and boxes[2].x1 < boxes[1].x0

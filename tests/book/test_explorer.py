@@ -7,6 +7,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from lightning_edu.book import explorer as ex
+from lightning_edu.book.plots import png_bytes
 from lightning_edu.costs import attention_cost
 
 
@@ -52,7 +53,8 @@ def test_changing_decay_changes_the_figure(widget):
 
 def test_error_readout_is_float64_small(widget):
     assert widget.numbers.relative_error < 1e-13
-    assert widget.numbers.error_tokens == 2048  # n is smaller than the 2085 the view would take
+    assert widget.numbers.error_tokens == 2 * 64 + 37  # two blocks of B = 64 and 37 tokens, of the 2048
+    assert "the first 165 of the 2048 tokens" in widget.readout.value and "d = 32)" in widget.readout.value
 
 
 def test_render_explorer_is_a_standalone_figure_with_the_six_views():
@@ -72,7 +74,7 @@ def test_render_changes_with_block_size():
     b = ex.render_explorer(block_size=256, decay=0.9, d=16, n=1024)
     assert a.axes[0].images[0].get_array().shape == (16, 16)
     assert b.axes[0].images[0].get_array().shape == (256, 256)
-    assert ex._png(a) != ex._png(b)
+    assert png_bytes(a) != png_bytes(b)
 
 
 def test_non_power_of_two_block_renders_too():
@@ -115,3 +117,34 @@ def test_a_redraw_runs_the_cost_sweep_once(monkeypatch):
     assert len(calls) == 1
     widget.block_size.value = 128  # a new setting: one more sweep, not two
     assert len(calls) == 2
+
+
+def test_the_error_readout_follows_the_sliders_and_names_its_caps():
+    """The error view runs a capped problem; the readout says so, and it changes with B, n and d."""
+    small = ex.explorer_numbers(block_size=16, decay=0.9, d=16, n=1024)
+    assert (small.error_tokens, small.error_d) == (69, 16)
+    assert "the first 69 of the 1024 tokens" in small.html() and "d = 16)" in small.html()
+    big = ex.explorer_numbers(block_size=1024, decay=0.001, d=256, n=65536)
+    assert (big.error_tokens, big.error_d) == (2085, 64)
+    assert "the first 2085 of the 65536 tokens" in big.html() and "d = 64 (of 256)" in big.html()
+    whole = ex.explorer_numbers(block_size=1024, decay=0.5, d=64, n=1024)
+    assert whole.error_tokens == 1024 and "all 1024 tokens, d = 64)" in whole.html()
+
+
+@pytest.mark.parametrize("setting", [dict(block_size=1024, decay=0.001, d=256, n=65536),
+                                     dict(block_size=16, decay=1.0, d=16, n=1024)])
+def test_no_panel_is_cut_at_the_figures_edges(setting):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = ex.render_explorer(**setting)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    for ax in fig.axes:
+        box = ax.get_tightbbox(renderer)
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width and box.y0 >= 0 and box.y1 <= fig.bbox.height, ax.get_title()
+    # and no two panels of a row (the mask's colour bar included) overlap: labels would be drawn over each other
+    boxes = [ax.get_tightbbox(renderer) for ax in fig.axes]
+    for row in ([0, 6, 1, 2], [3, 4, 5]):
+        for left, right in zip(row, row[1:]):
+            assert boxes[left].x1 < boxes[right].x0, (fig.axes[left].get_title(), fig.axes[right].get_title())

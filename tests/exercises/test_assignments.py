@@ -102,6 +102,10 @@ def test_the_hidden_sources_are_the_ones_exercises_ask_for():
     notes = [c.source for c in copy.cells if "left out of this assignment" in c.source]
     assert any("The source of algorithm1 is left out of this assignment: exercises 4.1, 4.2, 4.3 ask you" in n for n in notes)
     assert any("block_factors" in n for n in notes)
+    # a cell that only prints the note shows it before it runs (the website never runs it)
+    note = next(c for c in copy.cells if "The source of algorithm1" in c.source)
+    assert [o.get("text") for o in note.outputs] == [
+        "The source of algorithm1 is left out of this assignment: exercises 4.1, 4.2, 4.3 ask you to write it.\n"]
 
 
 def test_a_reveal_named_with_its_module_is_hidden_too():
