@@ -50,7 +50,8 @@ from ..feature_maps import LearnedReLU2
 from ..validation import validate_decay, validate_int, validate_tokens
 from .decay import decay_schedule
 
-__all__ = ["ATTENTIONS", "MLPS", "SIZES", "RMSNorm", "SwiGLU", "Attention", "Block", "Decoder", "llama", "tnl"]
+__all__ = ["ATTENTIONS", "MLPS", "SIZES", "RMSNorm", "SwiGLU", "ShortConv", "Attention", "Block", "Decoder", "llama",
+           "tnl"]
 
 ATTENTIONS = ("softmax", "lightning", "la1", "fla", "elu", "relu2", "hybrid")
 """The token mixers :class:`Attention` offers."""
@@ -215,18 +216,41 @@ def _fla_attention(q, k, v, decay: torch.Tensor) -> torch.Tensor:
     return o.transpose(1, 2)
 
 
+class ShortConv(nn.Module):
+    """A causal depthwise convolution over the sequence, x (batch, n, d) -> (batch, n, d): each channel's output at
+    token t is a learned mix of that channel at tokens t - width + 1 .. t (zeros before the first token).
+
+    Why. The Zoology study of recall ("Zoology: Measuring and Improving Recall in Efficient Language Models") puts one
+    before every token mixer, and Based pairs linear attention with it: it lets a layer move a token's features to
+    the next position (the key beside its value) without asking the attention to tell near from far. Weights:
+    d x width, PyTorch's default initialisation of a convolution."""
+
+    def __init__(self, d_model: int, width: int) -> None:
+        super().__init__()
+        self.width = validate_int("width", width, 2)
+        self.conv = nn.Conv1d(d_model, d_model, self.width, groups=d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.pad(x.transpose(1, 2), (self.width - 1, 0))  # (batch, d, width - 1 + n): zeros before token 0
+        return self.conv(x).transpose(1, 2)
+
+
 class Block(nn.Module):
-    """One pre-norm decoder block: x + Attention(RMSNorm(x)), then + MLP(RMSNorm(x)) (SwiGLU or simple GLU)."""
+    """One pre-norm decoder block: x + Attention(RMSNorm(x)), then + MLP(RMSNorm(x)) (SwiGLU or simple GLU).
+    With ``short_conv`` >= 2 a :class:`ShortConv` of that width stands between the norm and the attention:
+    x + Attention(ShortConv(RMSNorm(x)))."""
 
     def __init__(self, d_model: int, heads: int, mlp_hidden: int, attention: str = "softmax", mlp: str = "swiglu",
-                 **attention_kw) -> None:
+                 short_conv: int = 0, **attention_kw) -> None:
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
+        self.conv = ShortConv(d_model, short_conv) if short_conv else None
         self.attn = Attention(d_model, heads, attention, **attention_kw)
         self.mlp = SwiGLU(d_model, mlp_hidden, activation=mlp == "swiglu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+        h = self.norm1(x)
+        x = x + self.attn(h if self.conv is None else self.conv(h))
         return x + self.mlp(self.norm2(x))
 
 
@@ -240,18 +264,23 @@ class Decoder(nn.Module):
     reuses the embedding matrix (tied embeddings). Sequences longer than ``max_len`` are refused (RoPE's
     tables stop there). ``checkpoint=True`` recomputes each block's activations in the backward pass instead
     of keeping them (activation checkpointing: memory for one block's activations, about a third more compute).
+    ``short_conv``: 0 (none) or the width (>= 2) of a :class:`ShortConv` before every block's attention, the
+    published recall setup (Zoology, Based).
 
     Parameter count: vocab d + layers (4 d^2 + 3 d h + 2 d + extra) + d, with d = d_model, h = mlp_hidden and
-    extra = d for the lightning kinds' output norm, (d / heads)^2 for relu2's feature map, 0 otherwise;
-    :meth:`n_params` counts it from the module.
+    extra = d for the lightning kinds' output norm, (d / heads)^2 for relu2's feature map, 0 otherwise, plus
+    d short_conv per layer with a short convolution; :meth:`n_params` counts it from the module.
     """
 
     def __init__(self, vocab: int, d_model: int, heads: int, layers: int, attention: str = "softmax", *,
                  max_len: int = 2048, mlp_hidden: int | None = None, mlp: str = "swiglu", decay=None,
-                 backend: str = "auto", hybrid_block: int = 64, checkpoint: bool = False) -> None:
+                 backend: str = "auto", hybrid_block: int = 64, checkpoint: bool = False, short_conv: int = 0) -> None:
         super().__init__()
         vocab, layers, max_len = (validate_int(n, v, 1) for n, v in
                                   (("vocab", vocab), ("layers", layers), ("max_len", max_len)))
+        short_conv = validate_int("short_conv", short_conv, 0)
+        if short_conv == 1:
+            raise ValueError("short_conv must be 0 (no convolution) or a width of at least 2, got 1")
         d_model = validate_int("d_model", d_model, 1)
         mlp_hidden = 8 * math.ceil(8 * d_model / 3 / 8) if mlp_hidden is None else validate_int("mlp_hidden", mlp_hidden, 1)
         if mlp not in MLPS:
@@ -261,8 +290,8 @@ class Decoder(nn.Module):
         self.vocab, self.max_len, self.checkpoint = vocab, max_len, checkpoint
         self.embed = nn.Embedding(vocab, d_model)
         self.blocks = nn.ModuleList(
-            Block(d_model, heads, mlp_hidden, attention, mlp, max_len=max_len, decay=decay, layer=i, layers=layers,
-                  backend=backend, hybrid_block=hybrid_block)
+            Block(d_model, heads, mlp_hidden, attention, mlp, short_conv, max_len=max_len, decay=decay, layer=i,
+                  layers=layers, backend=backend, hybrid_block=hybrid_block)
             for i in range(layers))
         self.norm = RMSNorm(d_model)
         for name, p in self.named_parameters():

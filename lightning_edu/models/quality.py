@@ -20,8 +20,10 @@ decay (lambda = 1), as their papers do. For MQAR that matters: recall needs a la
 the position of its value (the previous token), so a model must tell near from far. Softmax has RoPE for
 that and lightning its decay; elu and relu2 with lambda = 1 see their past as an unordered sum, and the
 hybrid's softmax blocks have no position embedding (only the causal mask, from which a model can learn a
-little about positions). Zoology gives every model a short convolution for this step; ours have none, so the
-table compares the attentions as this book builds them, not the best each could do.
+little about positions). Zoology gives every model a short convolution for this step: ``short_conv`` in an
+experiment's settings (``--short-conv WIDTH`` on the command line) puts one of that width before every block's
+attention (:class:`~lightning_edu.models.blocks.ShortConv`); without it (the presets) the table compares the
+attentions as this book builds them, not the best each could do.
 
 ``--budget SECONDS`` starts no run once that much time has passed (a run already started finishes, so the
 whole can overrun by one run) and lists the runs it left out. Runs go in order: the language model's, then
@@ -54,7 +56,7 @@ from . import Decoder, evaluate_mqar, mqar_batch, mqar_batches
 from .lm import VOCAB, evaluate_lm, lm_batches, split_corpus
 from .train import train, train_step
 
-__all__ = ["KINDS", "PRESETS", "lm_run", "mqar_run"]
+__all__ = ["KINDS", "PRESETS", "state_per_head", "lm_run", "mqar_run"]
 
 KINDS = ("softmax", "lightning", "elu", "relu2", "hybrid")
 """The attentions compared, in the order tables list them."""
@@ -98,7 +100,36 @@ what the recipe decides. Each choice below came from short exploratory runs at t
 def _model(kind: str, vocab: int, cfg: dict, max_len: int, seed: int, device) -> Decoder:
     torch.manual_seed(seed)
     return Decoder(vocab, cfg["d_model"], cfg["heads"], cfg["layers"], kind, max_len=max_len,
-                   decay=_DECAY.get(kind), hybrid_block=min(64, max_len)).to(device)
+                   decay=_DECAY.get(kind), hybrid_block=_hybrid_block(max_len),
+                   short_conv=cfg.get("short_conv", 0)).to(device)
+
+
+def _hybrid_block(max_len: int) -> int:
+    return min(64, max_len)
+
+
+def state_per_head(kind: str, cfg: dict) -> int:
+    """The numbers one head of one layer carries from a sequence's first ``cfg["seq_len"] - 1`` tokens to its last
+    (what recall has to fit through), for a model of ``cfg``'s width and heads (head dim d = d_model / heads):
+
+    * softmax: its keys and values, 2 (n - 1) d, growing with the sequence;
+    * lightning: the state KV, d x d;
+    * elu, relu2: the state S and the normaliser z, d (d + 1) (relu2's map keeps d features);
+    * hybrid: the linear part's S and z over the finished blocks, d (d + 1), and the current softmax block's keys
+      and values, 2 (B - 1) d at most, B its block.
+
+    A short convolution adds the last width - 1 inputs of each channel, d_model (width - 1) per layer, to every
+    kind; they are not counted here (the same for every kind)."""
+    d, n = cfg["d_model"] // cfg["heads"], cfg["seq_len"]
+    if kind == "softmax":
+        return 2 * (n - 1) * d
+    if kind == "lightning":
+        return d * d
+    if kind in ("elu", "relu2"):
+        return d * (d + 1)
+    if kind == "hybrid":
+        return d * (d + 1) + 2 * (min(_hybrid_block(n), n) - 1) * d
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 
 def lm_run(kind: str, cfg: dict, seed: int = 0, device="cpu", data=None, autocast_dtype=None) -> dict:
@@ -120,8 +151,9 @@ def lm_run(kind: str, cfg: dict, seed: int = 0, device="cpu", data=None, autocas
             valid.append([step, evaluate_lm(model, valid_data, cfg["seq_len"], max_windows=cfg["eval_windows"],
                                             autocast_dtype=autocast_dtype)])
     best = min(valid, key=lambda r: r[1])
-    return {"kind": kind, "seed": seed, "params": model.n_params(), "train_curve": curve, "valid_curve": valid,
-            "best_valid_loss": best[1], "best_step": best[0], "seconds": time.perf_counter() - t0}
+    return {"kind": kind, "seed": seed, "params": model.n_params(), "state_per_head": state_per_head(kind, cfg),
+            "train_curve": curve, "valid_curve": valid, "best_valid_loss": best[1], "best_step": best[0],
+            "seconds": time.perf_counter() - t0}
 
 
 def mqar_run(kind: str, cfg: dict, pairs: int, seed: int = 0, device="cpu", autocast_dtype=None) -> dict:
@@ -136,7 +168,8 @@ def mqar_run(kind: str, cfg: dict, pairs: int, seed: int = 0, device="cpu", auto
     batches are large because the loss sees only ``pairs`` positions of each sequence: the turn from guessing
     to recall needs many answers per step.
 
-    The record: ``accuracy`` on cfg["eval_batch"] fresh sequences (seed 10000 + seed), ``loss_curve`` ([step,
+    The record: ``accuracy`` on cfg["eval_batch"] fresh sequences (seed 10000 + seed), ``state_per_head``
+    (:func:`state_per_head`), ``loss_curve`` ([step,
     mean training loss of the steps since the previous point], at every multiple of cfg["log_every"] and at the
     last step: where a model left the plateau, if it did), ``final_loss`` (its last point) and ``seconds``
     (training and evaluation, wall time).
@@ -152,4 +185,4 @@ def mqar_run(kind: str, cfg: dict, pairs: int, seed: int = 0, device="cpu", auto
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         accuracy = evaluate_mqar(model, *test)
     return {"kind": kind, "pairs": pairs, "seed": seed, "accuracy": accuracy, "final_loss": curve[-1][1],
-            "loss_curve": curve, "seconds": time.perf_counter() - t0}
+            "state_per_head": state_per_head(kind, cfg), "loss_curve": curve, "seconds": time.perf_counter() - t0}

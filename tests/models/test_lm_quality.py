@@ -307,7 +307,8 @@ def test_kinds_and_presets():
         json.dumps(preset)  # recorded as JSON
 
 
-LM_KEYS = {"kind", "seed", "params", "train_curve", "valid_curve", "best_valid_loss", "best_step", "seconds"}
+LM_KEYS = {"kind", "seed", "params", "state_per_head", "train_curve", "valid_curve", "best_valid_loss", "best_step",
+           "seconds"}
 
 
 @pytest.fixture(scope="module")
@@ -381,7 +382,7 @@ def test_same_initial_weights_where_shapes_agree():
     assert b.blocks[0].attn.decay[0] == 1.0 and b.blocks[0].attn.decay[1] < 1.0  # fla_lightning: head 0 never decays
 
 
-MQAR_KEYS = {"kind", "pairs", "seed", "accuracy", "final_loss", "loss_curve", "seconds"}
+MQAR_KEYS = {"kind", "pairs", "seed", "accuracy", "final_loss", "state_per_head", "loss_curve", "seconds"}
 
 
 @pytest.mark.parametrize("kind", ["softmax", "lightning"])
@@ -600,7 +601,7 @@ def test_recorded_lm():
     cfg = PRESETS["gpu"]["lm"]
     assert sorted(r["kind"] for r in lm) == sorted(KINDS)  # each attention once
     for r in lm:
-        assert set(r) >= LM_KEYS
+        assert set(r) >= LM_KEYS - {"state_per_head"}  # recorded before runs reported it
         assert [s for s, _ in r["valid_curve"]] == list(range(cfg["eval_every"], cfg["steps"] + 1, cfg["eval_every"]))
         assert [s for s, _ in r["train_curve"]] == list(range(cfg["log_every"], cfg["steps"] + 1, cfg["log_every"]))
 
@@ -617,7 +618,7 @@ def test_recorded_mqar():
     left = {(m.group(1), int(m.group(2))) for m in (re.fullmatch(r"mqar (\w+) pairs (\d+)", s) for s in skipped)}
     assert done | left == {(k, p) for k in KINDS for p in cfg["pairs"]}
     for r in runs:
-        assert set(r) >= MQAR_KEYS
+        assert set(r) >= MQAR_KEYS - {"state_per_head"}  # likewise
 
 
 def test_main_runs_mqar_over_seeds_steps_and_pairs_given_on_the_command_line(tmp_path, monkeypatch):
@@ -649,3 +650,61 @@ def test_main_refuses_bad_seeds_steps_and_pairs_and_writes_nothing(argv, message
     with pytest.raises(SystemExit) as exc:
         quality_cli.main([*argv, "--only", "mqar", "--out", str(out)])
     assert exc.value.code == 2 and message in capsys.readouterr().err and not out.exists()
+
+
+# ---------------------------------------------------------------- quality: the state each model carries, a short conv
+
+def test_state_per_head_counts_what_crosses_to_the_last_token():
+    cfg = {"d_model": 64, "heads": 2, "seq_len": 128}  # head dim 32
+    assert quality.state_per_head("softmax", cfg) == 2 * 127 * 32  # every earlier key and value
+    assert quality.state_per_head("lightning", cfg) == 32 * 32
+    assert quality.state_per_head("elu", cfg) == quality.state_per_head("relu2", cfg) == 32 * 33  # S and z
+    assert quality.state_per_head("hybrid", cfg) == 32 * 33 + 2 * 63 * 32  # and the current block of 64
+    with pytest.raises(ValueError, match="kind must be one of"):
+        quality.state_per_head("la1", cfg)
+
+
+def test_a_short_convolution_goes_before_every_attention_and_is_causal():
+    cfg = {**_tiny()["mqar"], "short_conv": 4}
+    model = quality._model("lightning", 16, cfg, 16, 0, "cpu")
+    plain = quality._model("lightning", 16, _tiny()["mqar"], 16, 0, "cpu")
+    d = cfg["d_model"]
+    assert model.n_params() - plain.n_params() == cfg["layers"] * d * 4  # one d x width filter per layer
+    conv = model.blocks[0].conv
+    x = torch.randn(2, 10, d, requires_grad=True)
+    y = conv(x)
+    assert y.shape == x.shape
+    # token t's output reads tokens t-3 .. t of its own channel, nothing later
+    y[:, 5].sum().backward()
+    reached = x.grad.abs().sum(dim=(0, 2)) > 0
+    assert reached.tolist() == [False, False, True, True, True, True, False, False, False, False]
+    # and equals the filter applied by hand (weights w[c, 0, j] meet x at t - 3 + j)
+    w = conv.conv.weight[:, 0]
+    by_hand = sum(w[:, j] * x[:, 5 - 3 + j] for j in range(4))
+    assert torch.allclose(y[:, 5], by_hand, atol=1e-6)
+
+
+@pytest.mark.parametrize("width, error", [(1, ValueError), (-2, ValueError), (2.0, TypeError)])
+def test_short_conv_width_is_checked(width, error):
+    from lightning_edu.models import Decoder
+
+    with pytest.raises(error, match="short_conv"):
+        Decoder(16, 16, 2, 1, short_conv=width)
+
+
+def test_the_command_line_records_a_short_convolution(tmp_path, monkeypatch):
+    seen = []
+
+    def fake_mqar(kind, cfg, pairs, seed, device, autocast_dtype):
+        seen.append(cfg.get("short_conv"))
+        return {"kind": kind, "pairs": pairs, "seed": seed, "accuracy": 0.5, "seconds": 1.0}
+
+    monkeypatch.setattr(quality_cli, "mqar_run", fake_mqar)
+    out = tmp_path / "q.json"
+    assert quality_cli.main(["--kinds", "elu", "--only", "mqar", "--pairs", "2", "--short-conv", "3",
+                             "--out", str(out)]) == 0
+    assert seen == [3] and json.loads(out.read_text())["config"]["mqar"]["short_conv"] == 3
+    for bad in ("1", "-1"):
+        with pytest.raises(SystemExit):
+            quality_cli.main(["--only", "mqar", "--short-conv", bad, "--out", str(tmp_path / "no.json")])
+    assert not (tmp_path / "no.json").exists()
