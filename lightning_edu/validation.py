@@ -446,6 +446,36 @@ def validate_cu_seqlens(cu_seqlens: Any, total: int) -> tuple[int, ...]:
     return tuple(values)
 
 
+_STEPS_SEEN: dict = {}  # _step_signature -> what validate_step_args derived for it (a step that passed)
+
+
+def _step_signature(q, k, v, state, decay, backend, who) -> tuple | None:
+    """Everything :func:`_validate_step` reads of a step's arguments, as a key, for arguments whose check does not
+    depend on their values: plain torch tensors (type, shape, dtype, device of each), the backend and ``who``
+    (strings), grad mode, TRITON_INTERPRET (whether the triton backend takes CPU tensors), and a decay that is a
+    Python float, a list of Python floats (by value) or a tensor on a
+    GPU (type, shape, dtype, device, requires_grad: its values are never read). None for anything else (numpy
+    arrays, tensor subclasses, a CPU tensor decay, whose values are read; any call while torch.compile traces)."""
+    tensor = _TORCH.Tensor
+    if type(q) is not tensor or type(k) is not tensor or type(v) is not tensor or type(backend) is not str:
+        return None
+    if state is not None and type(state) is not tensor:
+        return None
+    if type(decay) is float:
+        lam = decay
+    elif type(decay) is list and all(type(x) is float for x in decay):
+        lam = tuple(decay)
+    elif type(decay) is tensor and decay.device.type != "cpu":
+        lam = (tensor, decay.shape, decay.dtype, decay.device, decay.requires_grad)
+    else:
+        return None
+    if _TORCH.compiler.is_compiling():
+        return None
+    return (lam, backend, who, _TORCH.is_grad_enabled(), os.environ.get("TRITON_INTERPRET"), q.shape, q.dtype,
+            q.device, k.shape, k.dtype, k.device, v.shape, v.dtype, v.device,
+            None if state is None else (state.shape, state.dtype, state.device))
+
+
 def validate_step_args(
     q: Any,
     k: Any,
@@ -460,7 +490,31 @@ def validate_step_args(
     Shapes: q, k (batch, heads, d_k); v (batch, heads, d_v); state (batch, heads, d_k, d_v) or None. There is
     no sequence axis: a step takes one token per batch and head. ``who`` names the function in the hint given
     for a 4-D input. Decay and backend follow the rules of :func:`validate_attention_args`.
+
+    A decoding loop passes arguments of the same kinds at every token, and their checks read no values (but a
+    decay's on the host): a step whose :func:`_step_signature` passed before is not checked again, its normalised
+    arguments built from what that check derived. Why: the checks cost the host more than the step's kernel launch.
     """
+    key = _step_signature(q, k, v, state, decay, backend, who)
+    seen = _STEPS_SEEN.get(key) if key is not None else None
+    if seen is not None:
+        lam, rest = seen
+        if lam is None:  # a GPU tensor: as _validate_step returns it
+            lam = decay.reshape(-1).expand(rest[3]) if decay.ndim == 0 else decay
+        else:  # the float64 array of a float or list, a copy (the caller may hand it on as a tensor's memory)
+            lam = lam.copy()
+        return StepArgs(q, k, v, state, lam, *rest)
+    args = _validate_step(q, k, v, state, decay, backend, who)
+    if key is not None:
+        if len(_STEPS_SEEN) >= 256:
+            _STEPS_SEEN.clear()
+        kept = None if isinstance(args.decay, _TORCH.Tensor) else args.decay.copy()
+        _STEPS_SEEN[key] = (kept, (args.backend, args.kind, args.batch, args.heads, args.d_k, args.d_v))
+    return args
+
+
+def _validate_step(q, k, v, state, decay, backend, who) -> StepArgs:
+    """:func:`validate_step_args`'s checks."""
     kind = _check_tensor("q", q, None)
     _check_tensor("k", k, kind)
     _check_tensor("v", v, kind)
