@@ -56,7 +56,7 @@ from . import Decoder, evaluate_mqar, mqar_batch, mqar_batches
 from .lm import VOCAB, evaluate_lm, lm_batches, split_corpus
 from .train import train, train_step
 
-__all__ = ["KINDS", "PRESETS", "state_per_head", "lm_run", "mqar_run"]
+__all__ = ["KINDS", "PRESETS", "state_per_head", "lm_run", "mqar_run", "over_seeds"]
 
 KINDS = ("softmax", "lightning", "elu", "relu2", "hybrid")
 """The attentions compared, in the order tables list them."""
@@ -186,3 +186,18 @@ def mqar_run(kind: str, cfg: dict, pairs: int, seed: int = 0, device="cpu", auto
         accuracy = evaluate_mqar(model, *test)
     return {"kind": kind, "pairs": pairs, "seed": seed, "accuracy": accuracy, "final_loss": curve[-1][1],
             "state_per_head": state_per_head(kind, cfg), "loss_curve": curve, "seconds": time.perf_counter() - t0}
+
+
+def over_seeds(results, value: str, by=("kind", "pairs")) -> dict:
+    """Runs of several seeds, summarised: {key: (mean, lowest, highest, seeds)} of each run's ``value`` (say
+    "accuracy" or "best_valid_loss") over the runs that share ``key``, the tuple of their ``by`` fields (a record
+    without one of them, the language model's "pairs", contributes None there). ``seeds`` is the sorted list of
+    the seeds found, so a cell a budget cut short shows as fewer seeds than its neighbours."""
+    cells: dict = {}
+    for r in results:
+        cells.setdefault(tuple(r.get(name) for name in by), []).append(r)
+    out = {}
+    for key, runs in cells.items():
+        values = [float(r[value]) for r in runs]
+        out[key] = (sum(values) / len(values), min(values), max(values), sorted(r.get("seed", 0) for r in runs))
+    return out

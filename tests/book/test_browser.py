@@ -71,6 +71,15 @@ def _wait_for_server(url: str, proc: subprocess.Popen, log: Path, timeout: float
     raise RuntimeError(f"jupyter lab did not answer within {timeout} s:\n{log.read_text()[-3000:]}")
 
 
+def _wait_for_a_new_image(page, selector: str, old_src: str) -> None:
+    """Wait (30 s at most) until the first image matching ``selector`` shows another picture than ``old_src``."""
+    page.wait_for_function(
+        "([sel, old]) => { const img = document.querySelector(sel); return img && img.src && img.src !== old; }",
+        arg=[selector, old_src],
+        timeout=30_000,
+    )
+
+
 @pytest.fixture(scope="module")
 def jupyter_server(tmp_path_factory):
     """A JupyterLab server over a temporary folder holding a copy of chapter 04; yields (base URL, that folder).
@@ -175,11 +184,7 @@ def test_block_size_slider_redraws_explorer_in_chromium(jupyter_lab):
             page.keyboard.press("ArrowRight")
 
             expect(readout).to_contain_text("B = 128,", timeout=30_000)
-            page.wait_for_function(
-                "([sel, old]) => { const img = document.querySelector(sel); return img && img.src && img.src !== old; }",
-                arg=[".lightning-explorer-plot", src_before],
-                timeout=30_000,
-            )
+            _wait_for_a_new_image(page, ".lightning-explorer-plot", src_before)
             page.wait_for_timeout(500)  # let the new image paint before the screenshot
             text_after = readout.inner_text()
             shot_after = explorer_box.screenshot()
@@ -255,11 +260,7 @@ def test_feature_explorer_and_decay_explorer_sliders_redraw_in_chromium(jupyter_
                 decay.locator(".noUi-handle").first.focus()
                 page.keyboard.press("ArrowLeft")
                 expect(decay.locator(".widget-readout")).to_have_text("0.99", timeout=30_000)
-                page.wait_for_function(
-                    "([sel, old]) => { const img = document.querySelector(sel); return img && img.src && img.src !== old; }",
-                    arg=[".lightning-feature-plot img", src_before],
-                    timeout=30_000,
-                )
+                _wait_for_a_new_image(page, ".lightning-feature-plot img", src_before)
                 page.wait_for_timeout(500)  # let the new image paint before the screenshot
                 shot_after = explorer_box.screenshot()
                 explorer_box.screenshot(path=str(ARTIFACTS / "ch11_feature_explorer_after_arrow_left.png"))
@@ -267,11 +268,7 @@ def test_feature_explorer_and_decay_explorer_sliders_redraw_in_chromium(jupyter_
                 # the dropdown: the learned map enables d' and redraws
                 src_decay = page.locator(".lightning-feature-plot img").first.get_attribute("src")
                 page.locator(".lightning-feature-map select").first.select_option("learned relu2")
-                page.wait_for_function(
-                    "([sel, old]) => { const img = document.querySelector(sel); return img && img.src && img.src !== old; }",
-                    arg=[".lightning-feature-plot img", src_decay],
-                    timeout=30_000,
-                )
+                _wait_for_a_new_image(page, ".lightning-feature-plot img", src_decay)
                 expect(d_feature.locator(".noUi-target")).not_to_have_attribute("disabled", re.compile(".*"), timeout=10_000)
                 page.wait_for_timeout(500)
                 explorer_box.screenshot(path=str(ARTIFACTS / "ch11_feature_explorer_learned.png"))
@@ -286,11 +283,7 @@ def test_feature_explorer_and_decay_explorer_sliders_redraw_in_chromium(jupyter_
                 slider.locator(".noUi-handle").first.focus()
                 page.keyboard.press("ArrowRight")
                 expect(slider.locator(".widget-readout")).to_have_text("0.9375", timeout=30_000)
-                page.wait_for_function(
-                    "([sel, old]) => { const img = document.querySelector(sel); return img && img.src && img.src !== old; }",
-                    arg=[".lightning-decay-plot img", decay_src],
-                    timeout=30_000,
-                )
+                _wait_for_a_new_image(page, ".lightning-decay-plot img", decay_src)
                 page.wait_for_timeout(500)
                 slider.locator("xpath=ancestor::div[contains(@class, 'jp-OutputArea-output')][1]").screenshot(
                     path=str(ARTIFACTS / "ch03_decay_explorer_after_arrow_right.png"))

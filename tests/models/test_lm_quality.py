@@ -708,3 +708,12 @@ def test_the_command_line_records_a_short_convolution(tmp_path, monkeypatch):
         with pytest.raises(SystemExit):
             quality_cli.main(["--only", "mqar", "--short-conv", bad, "--out", str(tmp_path / "no.json")])
     assert not (tmp_path / "no.json").exists()
+
+
+def test_over_seeds_gives_mean_range_and_the_seeds_of_each_cell():
+    results = [{"kind": "lightning", "pairs": 8, "seed": s, "accuracy": a} for s, a in ((0, 1.0), (1, 0.25), (2, 0.5))]
+    results += [{"kind": "relu2", "pairs": 8, "seed": 1, "accuracy": 0.125}]
+    got = quality.over_seeds(results, "accuracy")
+    assert got == {("lightning", 8): (0.5833333333333334, 0.25, 1.0, [0, 1, 2]), ("relu2", 8): (0.125, 0.125, 0.125, [1])}
+    lm = [{"kind": "softmax", "seed": s, "best_valid_loss": v} for s, v in ((0, 2.0), (1, 3.0))]
+    assert quality.over_seeds(lm, "best_valid_loss", by=("kind",)) == {("softmax",): (2.5, 2.0, 3.0, [0, 1])}
