@@ -495,3 +495,20 @@ def test_a_wide_table_scrolls_inside_its_box(server, offline_page):
             assert box["right"] <= box["mainRight"] + 1, box
             assert not box["scrolls"] or box["overflow"] == "auto", box
         offline_page.check_network()
+
+
+@needs_chromium
+@pytest.mark.browser
+def test_a_code_line_of_120_characters_fits_the_column(server, offline_page):
+    """Chapter 13's code blocks: every one whose lines are at most 120 characters long shows them whole."""
+    page = offline_page.page
+    with _screenshot_on_failure(page, "code_width"):
+        page.goto(server + "13_models.html", wait_until="load")
+        page.evaluate("document.fonts.ready")
+        blocks = page.evaluate("""() => [...document.querySelectorAll('main pre')].map(p => ({
+            longest: Math.max(...p.innerText.split('\\n').map(l => l.length)),
+            scrolls: [p, p.querySelector('code')].some(e => e && e.scrollWidth > e.clientWidth + 1)}))""")
+        assert len(blocks) > 20 and max(b["longest"] for b in blocks) >= 100
+        too_narrow = [b for b in blocks if b["longest"] <= 120 and b["scrolls"]]
+        assert not too_narrow, too_narrow
+        offline_page.check_network()
