@@ -31,6 +31,7 @@ A command line it does not run prints one line and exits 2 on every rank, before
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 __all__ = ["CHUNK", "parse", "slice_bounds", "slice_inputs", "main"]
@@ -109,12 +110,6 @@ def slice_inputs(start: int, end: int, heads: int, dim: int, seed: int, dtype, d
     return tuple(t.to(dtype).contiguous() for t in x)
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
-
-
 def _timed(fn, repeats: int, cuda: bool, barrier) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` calls after one untimed call, the ranks meeting at a
     barrier before each call."""
@@ -137,7 +132,7 @@ def _timed(fn, repeats: int, cuda: bool, barrier) -> float:
             began = time.perf_counter()
             fn()
             times.append((time.perf_counter() - began) * 1e3)
-    return _median(times)
+    return statistics.median(times)
 
 
 def _run(options: dict, rank: int, world: int, device) -> dict:

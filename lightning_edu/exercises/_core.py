@@ -26,6 +26,7 @@ import numpy as np
 from ..checks import to_numpy
 from . import _integrity, _isolation
 from ._errors import ExerciseError, IntegrityError
+from ._isolation import _short  # a value's repr for a message, cut to 60 characters
 
 __all__ = [
     "ExerciseError",
@@ -221,14 +222,6 @@ def expect_array(name: str, got) -> np.ndarray:
         return to_numpy(got)
     except Exception as exc:  # noqa: BLE001 - e.g. a tensor on a meta device
         raise ExerciseError(f"{name} could not be read as numbers: {type(exc).__name__}: {exc}") from exc
-
-
-def _short(value, limit: int = 60) -> str:
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001
-        text = object.__repr__(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def expect_shape(name: str, got, expected_shape) -> np.ndarray:

@@ -128,7 +128,7 @@ def state_per_head(kind: str, cfg: dict) -> int:
     if kind in ("elu", "relu2"):
         return d * (d + 1)
     if kind == "hybrid":
-        return d * (d + 1) + 2 * (min(_hybrid_block(n), n) - 1) * d
+        return d * (d + 1) + 2 * (_hybrid_block(n) - 1) * d
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
 
 

@@ -139,15 +139,20 @@ def test_dk_inter_from_the_papers_lambda_b_lambda_inverse_fails_on_long_blocks()
         check_dk_inter(literal)
 
 
+def _dense_dk_dv(q, k, v, do, decay):
+    """dK and dV from the n x n masked formulas, the answer a reader who skips the blocks would write."""
+    i = np.arange(q.shape[2])
+    gap = i[:, None] - i[None, :]
+    lam = np.asarray(decay)[:, None, None]
+    mask = np.where(gap >= 0, lam ** np.maximum(gap, 0), 0.0)
+    return (((do @ v.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ q,
+            ((q @ k.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ do)
+
+
 def test_a_reverse_sweep_without_the_sweep_is_refused():
     # right values from the n x n masked formulas: no loop over blocks, which the exercise asks for
     def dense(q, k, v, do, decay, block_size):
-        i = np.arange(q.shape[2])
-        gap = i[:, None] - i[None, :]
-        lam = np.asarray(decay)[:, None, None]
-        mask = np.where(gap >= 0, lam ** np.maximum(gap, 0), 0.0)
-        return (((do @ v.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ q,
-                ((q @ k.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ do)
+        return _dense_dk_dv(q, k, v, do, decay)
 
     with pytest.raises(ExerciseError, match="right values, but your code ran .* no loop over the blocks"):
         check_reverse_sweep(dense)
@@ -205,12 +210,7 @@ def test_an_empty_loop_beside_an_n_by_n_formula_is_refused_for_its_memory():
     def dense_with_a_loop(q, k, v, do, decay, block_size):
         for _ in range(0, q.shape[2], block_size):  # lines of Python per block, and nothing done in them
             pass
-        i = np.arange(q.shape[2])
-        gap = i[:, None] - i[None, :]
-        lam = np.asarray(decay)[:, None, None]
-        mask = np.where(gap >= 0, lam ** np.maximum(gap, 0), 0.0)
-        return (((do @ v.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ q,
-                ((q @ k.swapaxes(-1, -2)) * mask).swapaxes(-1, -2) @ do)
+        return _dense_dk_dv(q, k, v, do, decay)
 
     with pytest.raises(ExerciseError, match=r"right values and loops, but allocated .* MiB at n = 1024.*n x n matrix"):
         check_reverse_sweep(dense_with_a_loop)
