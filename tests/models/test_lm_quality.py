@@ -490,6 +490,30 @@ def test_main_budget_skips_later_runs(tmp_path, monkeypatch):
                                  "mqar elu pairs 8"]
 
 
+def test_jobs_give_the_runs_of_one_process(tmp_path, monkeypatch):
+    # --jobs 2 trains in spawned workers: the same runs in the same order with the same results as one process
+    # (a run's seed fixes it), only the wall times differ; a run that would start past the budget is skipped.
+    monkeypatch.setitem(quality.PRESETS, "cpu", _tiny())
+    records = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"q{jobs}.json"
+        assert quality_cli.main(["--kinds", "softmax", "lightning", "--only", "mqar", "--seeds", "0", "1",
+                                 "--jobs", str(jobs), "--out", str(out)]) == 0
+        records[jobs] = json.loads(out.read_text())
+    assert records[2]["jobs"] == 2 and records[1]["jobs"] == 1
+
+    def runs(record):
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in record["results"]]
+
+    assert [(r["kind"], r["pairs"], r["seed"]) for r in records[2]["results"]] == [
+        (kind, pairs, seed) for seed in (0, 1) for pairs in (2, 3) for kind in ("softmax", "lightning")]
+    assert runs(records[2]) == runs(records[1])
+    assert records[2]["skipped"] == []
+    out = tmp_path / "q0.json"
+    quality_cli.main(["--kinds", "softmax", "--only", "mqar", "--budget", "0", "--jobs", "2", "--out", str(out)])
+    assert json.loads(out.read_text())["skipped"] == ["mqar softmax pairs 2", "mqar softmax pairs 3"]
+
+
 def test_main_trains_tiny_preset(tmp_path, monkeypatch, capsys, corpus):
     tiny = _tiny()
     monkeypatch.setitem(quality.PRESETS, "cpu", tiny)
