@@ -101,7 +101,7 @@ def log2_decay_tensor(decay, device) -> torch.Tensor:
     # Looked up by the bytes of the lambdas as float64 (for what validation hands over, a float64 array, that is
     # one call), not value by value in Python.
     values = np.asarray(decay, dtype=np.float64)
-    key = (torch.device(device), values.tobytes())
+    key = (device if type(device) is torch.device else torch.device(device), values.tobytes())
     cached = _LOG2_DECAY.get(key)
     if cached is None:
         if len(_LOG2_DECAY) >= 256:  # a model has a few decay vectors; a sweep over many starts again

@@ -87,7 +87,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .plan import cdiv, interpreted, next_power_of_2, settings, sm_count
 
 __all__ = [
-    "launch", "launch_key", "LaunchPlan", "record_plan", "aligned", "dense", "compile_ahead", "dot_precision",
+    "launch", "launch_key", "launch_keyed", "LaunchPlan", "record_plan", "aligned", "dense", "compile_ahead", "dot_precision",
     "upcast_for_interpreter", "refuse_interpreted_bf16", "exact_pass_grid", "head_start", "head_offset",
     "flagged_range", "dropped", "decay_tile", "apply_decay", "finite_operand", "poison", "stored_nonfinite",
     "clear_flag", "flag_nonfinite", "flagged_here",
@@ -176,6 +176,36 @@ def _fast_launch(kernel, grid, *args, **meta):
     compiled, rest = hit
     _run_compiled(compiled, grid, rest, key[1], *args)
     return compiled
+
+
+_KEYED: dict = {}  # (caller's key, device, Triton's debug and instrumentation settings) -> (compiled, rest)
+
+
+def launch_keyed(key, kernel, grid, *args, **meta):
+    """``launch(kernel, grid)(*args, **meta)`` for a caller that names its launch's specialisation itself.
+
+    ``key`` must determine everything :func:`launch_key` reads of this launch: the kernel, the keyword arguments'
+    values, and of each other argument what :func:`_spec` reads (a tensor's dtype and 16-byte alignment, an
+    integer's divisibility by 16, whether it is 1, its width). A launch whose key (with the current device and
+    Triton's debug and instrumentation settings) was launched before calls the kernel it compiled to, through its
+    own launcher, without computing :func:`launch_key`. Why: for a launch of a few microseconds of GPU work, a
+    decoding step's, computing that key costs the host more than the launcher does. Inside :func:`compile_ahead`
+    or :func:`record_plan`, with ``fast_launch`` off, or for a kernel that is not a ``JITFunction`` (the
+    interpreter's) it is :func:`launch` itself."""
+    if (_AHEAD.get() or _RECORDER.get() is not None or not settings().fast_launch
+            or not isinstance(kernel, JITFunction) or kernel.pre_run_hooks):
+        return launch(kernel, grid)(*args, **meta)
+    device = torch.cuda.current_device()
+    full = (key, device, triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
+    hit = _KEYED.get(full)
+    if hit is None:
+        compiled = _fast_launch(kernel, grid, *args, **meta)
+        if len(_KEYED) >= 4096:
+            _KEYED.clear()
+        _KEYED[full] = (compiled, _rest(kernel, args, meta))
+        return compiled
+    _run_compiled(hit[0], grid, hit[1], device, *args)
+    return hit[0]
 
 
 def _rest(kernel, args, meta) -> tuple:

@@ -24,6 +24,7 @@ and the kernel's launch alone otherwise: a decoding loop pays nothing for the di
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -31,8 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ._tiles import dense, head_start, launch, refuse_interpreted_bf16, upcast_for_interpreter
-from .plan import cdiv, pad_dim
+from ._tiles import aligned, dense, head_start, launch_keyed, refuse_interpreted_bf16, upcast_for_interpreter
+from .plan import cdiv, interpreted, pad_dim
 
 __all__ = ["decode_step", "step_kernels", "decode_op"]
 
@@ -70,11 +71,16 @@ def decode_step(q, k, v, state, log2_decay, out_state=None, block_v: int | None 
     """(o, new_state) of one step. q, k: (batch, heads, d_k); v: (batch, heads, d_v); state: (batch, heads, d_k,
     d_v) or None (zeros); log2_decay: float32 (heads,). o has q's dtype; new_state is float32, written into
     ``out_state`` when given (which may be ``state`` itself: an in-place step for a decode loop).
-    bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong."""
-    refuse_interpreted_bf16("decode_step", q, k, v)
+    bfloat16 is refused in the CPU interpreter (TypeError): its bf16 arithmetic is wrong.
+
+    A decoding loop launches this kernel once per token and layer with the same shapes, so the launch names its
+    specialisation itself (:func:`~._tiles.launch_keyed`, keyed by dtypes, alignments, head dims and tiles) and
+    the tiles of a (d_k, d_v) are chosen once (:func:`_step_tiles`)."""
+    if interpreted(q):
+        refuse_interpreted_bf16("decode_step", q, k, v)
     batch, heads, d_k = q.shape
     d_v = v.shape[-1]
-    q, k, v = (dense(x) for x in (q, k, v))
+    q, k, v = dense(q), dense(k), dense(v)
     if state is not None:
         state = dense(state.float())
     if out_state is None:
@@ -82,14 +88,25 @@ def decode_step(q, k, v, state, log2_decay, out_state=None, block_v: int | None 
     o = torch.empty(batch, heads, d_v, device=q.device, dtype=q.dtype)
     if q.is_meta:  # a model traced on the meta device: the outputs' shapes and dtypes, nothing to launch
         return o, out_state
-    pad_k = pad_dim(d_k)
-    # A slice of the state per program: at most 8K fp32 values (32 KB) in registers.
-    block_v = block_v or max(16, min(pad_dim(d_v), 8192 // pad_k))
-    grid = (batch * heads, cdiv(d_v, block_v))
-    launch(_decode_kernel, grid)(q, k, v, state if state is not None else out_state, out_state, o, log2_decay, heads,
-                                 D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_v, HAS_STATE=state is not None,
-                                 num_warps=num_warps)
+    pad_k, block_v, blocks_v = _step_tiles(d_k, d_v, block_v)
+    has_state = state is not None
+    # Everything the launch specialises on: q, k, v and state are dense (aligned), o is fresh (aligned); heads is
+    # not specialised (do_not_specialize) but its width and whether it is 1 are named anyway.
+    key = (_decode_kernel, q.dtype, k.dtype, v.dtype, out_state.dtype, aligned(out_state), log2_decay.dtype,
+           aligned(log2_decay), heads == 1, heads < 2**31, d_k, d_v, pad_k, block_v, has_state, num_warps)
+    launch_keyed(key, _decode_kernel, (batch * heads, blocks_v), q, k, v, state if has_state else out_state,
+                 out_state, o, log2_decay, heads, D_K=d_k, D_V=d_v, PAD_K=pad_k, BLOCK_DV=block_v,
+                 HAS_STATE=has_state, num_warps=num_warps)
     return o, out_state
+
+
+@functools.cache
+def _step_tiles(d_k: int, d_v: int, block_v: int | None) -> tuple[int, int, int]:
+    """(PAD_K, BLOCK_DV, programs along d_v) of a step: a slice of the state per program, at most 8K fp32 values
+    (32 KB) in registers."""
+    pad_k = pad_dim(d_k)
+    block_v = block_v or max(16, min(pad_dim(d_v), 8192 // pad_k))
+    return pad_k, block_v, cdiv(d_v, block_v)
 
 
 def step_kernels(q, k, v, state, log2_decay):
@@ -100,9 +117,11 @@ def step_kernels(q, k, v, state, log2_decay):
     In the CPU interpreter bfloat16 q, k, v are computed in float32 and o rounded to bfloat16 (its bf16 arithmetic is
     wrong). Called directly when no gradient can follow (the decoding loop: nothing but the launch), through the
     op :func:`decode_op` otherwise."""
-    qc, kc, vc = upcast_for_interpreter(*(dense(x) for x in (q, k, v)))
-    o, new_state = decode_step(qc, kc, vc, dense(state), log2_decay.float().contiguous())
-    return o.to(v.dtype), new_state
+    qc, kc, vc = upcast_for_interpreter(q, k, v) if interpreted(q) else (q, k, v)
+    if log2_decay.dtype != torch.float32:
+        log2_decay = log2_decay.float()
+    o, new_state = decode_step(qc, kc, vc, state, dense(log2_decay))
+    return (o if o.dtype == v.dtype else o.to(v.dtype)), new_state
 
 
 @torch.library.custom_op("lightning_edu::decode_step", mutates_args=())

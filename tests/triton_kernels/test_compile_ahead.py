@@ -61,7 +61,8 @@ def test_every_kernel_of_the_package_launches_through_launch():
     sources = {path.name: path.read_text() for path in pathlib.Path(package.__file__).parent.glob("*.py")}
     indexed = {name: re.findall(r"\b\w+_kernel\[", text) for name, text in sources.items()}
     assert not any(indexed.values()), {name: hits for name, hits in indexed.items() if hits}
-    launched = {name for name, text in sources.items() if re.search(r"\blaunch\(\w+_kernel, ", text)}
+    launched = {name for name, text in sources.items()
+                if re.search(r"\blaunch\(\w+_kernel, |\blaunch_keyed\(\w+, \w+_kernel, ", text)}
     assert {"la1.py", "la2_literal.py", "la2_fast.py", "la3.py", "decode.py"} <= launched, launched
 
 

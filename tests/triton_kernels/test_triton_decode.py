@@ -66,6 +66,23 @@ def test_decode_step_in_place_overwrites_the_given_state(device):
     assert relative_error(state, s_ref) < STEP_BOUND and relative_error(o, o_ref) < STEP_BOUND
 
 
+@on()
+def test_a_repeated_step_into_aligned_and_unaligned_states_is_right_each_time(device):
+    # A launch names its specialisation (launch_keyed): the out_state's alignment is part of it, so a step written
+    # into a state one float off a 16-byte boundary after one into an aligned state (and again: the second time
+    # from the kept launch) compiles its own kernel instead of reusing the aligned one's wider stores.
+    q, k, v, s = _case(2, 3, 16, 40, seed=4)
+    o_ref, s_ref = _reference(q, k, v, s, [0.5, 0.9, 0.99])
+    qkv = [torch.tensor(x, dtype=torch.float32, device=device) for x in (q, k, v)]
+    state = torch.tensor(s, dtype=torch.float32, device=device)
+    log2 = log2_decay_tensor([0.5, 0.9, 0.99], device)
+    buffer = torch.empty(state.numel() + 1, dtype=torch.float32, device=device)
+    for out_state in [None, buffer[1:].view(state.shape)] * 2:
+        o, new = decode_step(*qkv, state, log2, out_state=out_state)
+        assert out_state is None or new.data_ptr() == out_state.data_ptr()
+        assert relative_error(new, s_ref) < STEP_BOUND and relative_error(o, o_ref) < STEP_BOUND
+
+
 @on("cpu")
 def test_decode_step_in_fp16_keeps_an_fp32_state(device):
     q, k, v, s = _case(1, 2, 32, 32, seed=2)
