@@ -48,6 +48,7 @@ to its file's experiment.)
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -56,7 +57,7 @@ from . import Decoder, evaluate_mqar, mqar_batch, mqar_batches
 from .lm import VOCAB, evaluate_lm, lm_batches, split_corpus
 from .train import train, train_step
 
-__all__ = ["KINDS", "PRESETS", "state_per_head", "lm_run", "mqar_run", "over_seeds"]
+__all__ = ["KINDS", "PRESETS", "state_per_head", "lm_run", "mqar_run", "over_seeds", "turn_step"]
 
 KINDS = ("softmax", "lightning", "elu", "relu2", "hybrid")
 """The attentions compared, in the order tables list them."""
@@ -201,3 +202,13 @@ def over_seeds(results, value: str, by=("kind", "pairs")) -> dict:
         values = [float(r[value]) for r in runs]
         out[key] = (sum(values) / len(values), min(values), max(values), sorted(r.get("seed", 0) for r in runs))
     return out
+
+
+def turn_step(run: dict, fraction: float = 0.3) -> int | None:
+    """The step at which an MQAR run left its plateau: the first point of its ``loss_curve`` whose mean training
+    loss is below ``fraction`` of ln(pairs), the loss of guessing among the sequence's values (where a model sits
+    before it recalls); None for a run that never got there. Why a fraction of ln(pairs): the plateau's loss
+    depends on the number of pairs, and a model that recalls is far below it (a model at 0.3 ln p answers most
+    queries right)."""
+    threshold = fraction * math.log(run["pairs"])
+    return next((int(step) for step, loss in run["loss_curve"] if loss < threshold), None)

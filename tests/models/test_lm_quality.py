@@ -741,3 +741,12 @@ def test_over_seeds_gives_mean_range_and_the_seeds_of_each_cell():
     assert got == {("lightning", 8): (0.5833333333333334, 0.25, 1.0, [0, 1, 2]), ("relu2", 8): (0.125, 0.125, 0.125, [1])}
     lm = [{"kind": "softmax", "seed": s, "best_valid_loss": v} for s, v in ((0, 2.0), (1, 3.0))]
     assert quality.over_seeds(lm, "best_valid_loss", by=("kind",)) == {("softmax",): (2.5, 2.0, 3.0, [0, 1])}
+
+
+def test_turn_step_is_the_first_logged_step_below_the_threshold():
+    # ln 8 = 2.079: 0.3 of it is 0.624. The curve crosses it at step 300 (0.5), not at 200 (0.7), and a curve that
+    # never goes below it has no turn.
+    run = {"pairs": 8, "loss_curve": [[100, 2.1], [200, 0.7], [300, 0.5], [400, 0.01]]}
+    assert quality.turn_step(run) == 300
+    assert quality.turn_step(run, fraction=0.4) == 200  # 0.832
+    assert quality.turn_step({"pairs": 8, "loss_curve": [[100, 2.1], [200, 2.0]]}) is None
