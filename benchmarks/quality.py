@@ -77,6 +77,7 @@ def main(argv=None) -> int:
               "mqar_seeds": list(mqar_seeds),
               "autocast": str(autocast_dtype), "jobs": args.jobs, "results": [], "skipped": []}
     runs = []  # (what, experiment, kind, pairs, seed) in the record's order
+    data = None  # the corpus split, read once when the language model runs
     if args.only in (None, "lm"):
         data = split_corpus()
         record["corpus"] = {"source": "pydoc_data.topics", "train_bytes": len(data[0]), "valid_bytes": len(data[1])}
@@ -103,10 +104,7 @@ def main(argv=None) -> int:
             if time.perf_counter() - start > args.budget:
                 record["skipped"].append(what)
                 continue
-            if experiment == "lm":
-                r = {"experiment": "lm", **lm_run(kind, preset["lm"], seed, device, data, autocast_dtype)}
-            else:
-                r = {"experiment": "mqar", **mqar_run(kind, preset["mqar"], pairs, seed, device, autocast_dtype)}
+            r = _train(experiment, kind, pairs, seed, preset[experiment], device, autocast_dtype, data)
             record["results"].append(r)
             report(r)
             save()
@@ -131,13 +129,18 @@ def main(argv=None) -> int:
     return 0
 
 
+def _train(experiment, kind, pairs, seed, cfg, device, autocast_dtype, data=None):
+    """One run's record: the language model (on ``data``, the corpus split, read when None) or MQAR."""
+    if experiment == "lm":
+        return {"experiment": "lm", **lm_run(kind, cfg, seed, device, data or split_corpus(), autocast_dtype)}
+    return {"experiment": "mqar", **mqar_run(kind, cfg, pairs, seed, device, autocast_dtype)}
+
+
 def _one_run(experiment, kind, pairs, seed, cfg, device, autocast_dtype, deadline):
     """One run of ``--jobs``, in a worker process: its record, or None when it would start past ``deadline``."""
     if time.time() > deadline:
         return None
-    if experiment == "lm":
-        return {"experiment": "lm", **lm_run(kind, cfg, seed, device, split_corpus(), autocast_dtype)}
-    return {"experiment": "mqar", **mqar_run(kind, cfg, pairs, seed, device, autocast_dtype)}
+    return _train(experiment, kind, pairs, seed, cfg, device, autocast_dtype)
 
 
 if __name__ == "__main__":
