@@ -40,10 +40,9 @@ after every run, so an interrupted run leaves what it finished):
   ``"mqar"`` followed by :func:`lm_run`'s or :func:`mqar_run`'s keys; with ``--only``, one experiment's alone;
 * ``skipped``: the runs ``--budget`` left out, as ``"lm KIND seed S"`` and ``"mqar KIND pairs P"``.
 
-Chapter 13's recorded files, ``notebooks/data/quality_lm_h100.json`` and ``quality_mqar_h100.json``, hold one
-experiment each (``--only lm``, ``--only mqar``), read through :func:`lightning_edu.book.load_recorded`, which
-asks for ``results``. (The language model's file predates the ``experiment`` tag; a record without one belongs
-to its file's experiment.)
+Chapter 13's recorded files (``notebooks/data/quality_*.json``) hold one experiment each (``--only lm``,
+``--only mqar``), read through :func:`lightning_edu.book.load_recorded`, which asks for ``results``. (The oldest
+language-model file predates the ``experiment`` tag; a record without one belongs to its file's experiment.)
 """
 
 from __future__ import annotations

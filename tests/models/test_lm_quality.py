@@ -750,3 +750,23 @@ def test_turn_step_is_the_first_logged_step_below_the_threshold():
     assert quality.turn_step(run) == 300
     assert quality.turn_step(run, fraction=0.4) == 200  # 0.832
     assert quality.turn_step({"pairs": 8, "loss_curve": [[100, 2.1], [200, 2.0]]}) is None
+
+
+@pytest.mark.parametrize("name, experiment, changed", [
+    ("quality_lm_h200.json", "lm", {"seeds": [0, 1, 2]}),
+    ("quality_mqar_conv_h200.json", "mqar", {"steps": 1500, "short_conv": 4}),
+])
+def test_recorded_over_seeds(name, experiment, changed):
+    # The records chapter 13 reads over seeds: the code's preset but for what their command changed, and every
+    # (attention, pairs, seed) cell exactly once for seeds 0, 1 and 2, nothing skipped.
+    record = _load(name)
+    preset = json.loads(json.dumps(PRESETS["gpu"][experiment]))
+    assert record["config"][experiment] == {**preset, **changed}, f"{name}: record it again"
+    runs = _records(record, experiment)
+    cells = [(r["kind"], r.get("pairs"), r["seed"]) for r in runs]
+    pairs = preset["pairs"] if experiment == "mqar" else [None]
+    assert sorted(cells, key=str) == sorted(((k, p, s) for k in KINDS for p in pairs for s in (0, 1, 2)), key=str)
+    assert record["skipped"] == []
+    keys = LM_KEYS if experiment == "lm" else MQAR_KEYS
+    for r in runs:
+        assert set(r) >= keys - {"state_per_head"}
