@@ -446,6 +446,7 @@ def validate_cu_seqlens(cu_seqlens: Any, total: int) -> tuple[int, ...]:
     return tuple(values)
 
 
+_FLOAT_ONLY = {float}
 _STEPS_SEEN: dict = {}  # _step_signature -> what validate_step_args derived for it (a step that passed)
 
 
@@ -463,7 +464,7 @@ def _step_signature(q, k, v, state, decay, backend, who) -> tuple | None:
         return None
     if type(decay) is float:
         lam = decay
-    elif type(decay) is list and all(type(x) is float for x in decay):
+    elif type(decay) is list and set(map(type, decay)) == _FLOAT_ONLY:  # a C loop: this runs before every step
         lam = tuple(decay)
     elif type(decay) is tensor and decay.device.type != "cpu":
         lam = (tensor, decay.shape, decay.dtype, decay.device, decay.requires_grad)
