@@ -319,10 +319,13 @@ def _decode(data: dict) -> str:
                 skipped = next((r for r in rows if r["batch"] == batch and r.get("context") == context
                                 and "skipped" in r), None)
                 return "not run" if skipped else "-"
-            return f"{r['ms'] * 1000:.1f} ({r['graph_ms'] * 1000:.1f})"
+            timed = f"{r['ms'] * 1000:.1f} ({r['graph_ms'] * 1000:.1f})"
+            return f"{r['loop_ms'] * 1000:.1f} / {timed}" if "loop_ms" in r else timed
         body.append([str(batch), cell("ours kernel"), cell("ours api")] + [cell(m, c) for c in contexts for m in sdpa])
     parts = [f"One decoding step of one layer ({data.get('speed_heads', '?')} heads, d = {data.get('head_dim', '?')}, "
-             f"{data.get('dtype', '')}), in µs: from Python (from a CUDA graph); \"not run\": the KV cache would not "
+             f"{data.get('dtype', '')}), in µs: "
+             + ("called back to back from Python / " if any("loop_ms" in r for r in rows) else "")
+             + "from Python, each call timed alone (from a CUDA graph); \"not run\": the KV cache would not "
              "fit the run's memory limit.", "", _table(header, body)]
     memory = data.get("memory")
     if memory:
