@@ -10,7 +10,7 @@ import pytest
 from benchmarks import kernels
 from lightning_edu.book import profiles
 
-RECORD = Path(__file__).resolve().parents[2] / "notebooks" / "data" / "kernels_h100.json"
+DATA = Path(__file__).resolve().parents[2] / "notebooks" / "data"
 
 # What `ncu --csv --page raw` prints, cut down to a few columns: its notes, a header, the units, then one row per
 # launch, numbers with thousands separators.
@@ -106,11 +106,12 @@ def test_the_ncu_command_reads_every_metric_with_the_clocks_left_alone():
     assert "--kernel-name" not in kernels.ncu_command(None)  # the library's forward: every kernel it launches
 
 
-def test_the_h100_record_was_made_by_the_code_as_it_stands():
+@pytest.mark.parametrize("name", ["kernels_h100.json", "kernels_h200.json"])
+def test_the_records_were_made_by_the_code_as_it_stands(name):
     """The chapters read the record as this module writes it today: the same ncu command (metrics, kernels), the
     passes in the program's order, every metric, and each of our launches a kernel of the backend's with what the
     compiler reported. (Its derived columns follow from its counters by label_launches, tested above.)"""
-    record = json.loads(RECORD.read_text())
+    record = json.loads((DATA / name).read_text())
     assert record["ncu_command"] == " ".join(kernels.ncu_command())
     for shape in record["results"]:
         passes = [x["pass"] for x in shape["launches"]]
