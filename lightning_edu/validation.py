@@ -446,7 +446,7 @@ def validate_cu_seqlens(cu_seqlens: Any, total: int) -> tuple[int, ...]:
     return tuple(values)
 
 
-_FLOAT_ONLY = {float}
+_FLOAT_ONLY = frozenset({float})
 _STEPS_SEEN: dict = {}  # _step_signature -> what validate_step_args derived for it (a step that passed)
 
 
