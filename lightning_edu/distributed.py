@@ -309,10 +309,12 @@ def _ring_backward(group, rank: int, world: int, with_final: bool, incoming, fac
 
 
 class _Join(torch.autograd.Function):
-    """``out`` unchanged, tied to the exchange so that every rank's backward runs the exchange's backward.
+    """``out`` unchanged, tied to the exchange so that rank 0's backward runs the exchange's backward.
 
     Rank 0's outputs do not read any other rank's state, so without this tie its backward would skip the
-    exchange and the other ranks, waiting in the collective, would never finish.
+    exchange and the other ranks, waiting in the collective, would never finish. Every other rank's output reads
+    its incoming state, an output of the exchange, and needs no tie. The copy of ``out`` is what makes the tie
+    an output of its own: a view returned by a custom Function could not be modified in place by the caller.
     """
 
     @staticmethod
@@ -407,7 +409,7 @@ def sequence_parallel_attention(
         exchanged = (incoming, final)
     # Rank 0's incoming state was folded into its local pass (initial_state): no correction there.
     o = o_local if plan.rank == 0 else _correct(o_local, q, incoming, lam)
-    if _tracks_grad(q, k, v, initial_state, decay):
+    if plan.rank == 0 and _tracks_grad(q, k, v, initial_state, decay):
         o = _Join.apply(o, *exchanged)
     return (o, final) if plan.return_state else o
 

@@ -65,6 +65,8 @@ def _case(rank, counts, lam, *, exchange, use_init=True, learn_decay=False, retu
     loss.backward()
     err = lambda a, b: (a - b).abs().max().item()  # noqa: E731
     errors = {"o": err(o, o_ref[:, :, rows])}
+    # o is tied to the exchange (a copy) on rank 0 alone: every other rank's o reads the exchange already
+    errors["tied on rank 0 alone"] = float((type(o.grad_fn).__name__ == "_JoinBackward") != (rank == 0))
     if not return_state:  # the reference's loss used the state: recompute its gradients with o alone
         d["w_state"].zero_()
         _, _, g_ref = _reference(d, lam, use_init, learn_decay)
