@@ -216,12 +216,17 @@ def _forward_sweep(Q, K, V, O, kv, start, end, n, log2_lam, offs_r, offs_k, offs
 
 
 @triton.jit
-def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
-                     sqb, sqh, sqn: tl.constexpr, skb, skh, skn: tl.constexpr, svb, svh, svn: tl.constexpr,
-                     sob, soh, son: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, PAD_K: tl.constexpr,
-                     BLOCK_DV: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr, HAS_S0: tl.constexpr,
-                     STORE_SN: tl.constexpr, SEG_IS_INCOMING: tl.constexpr, STORE_INC: tl.constexpr,
-                     PRECISION: tl.constexpr, SAFE: tl.constexpr, CONTIGUOUS: tl.constexpr, SEG_T: tl.constexpr):
+def _forward_program(io, sizes, strides, consts, bh, seg, pid_v, SAFE: tl.constexpr):
+    """One program of the forward kernel: segment ``seg`` of head ``bh``, slice ``pid_v`` of d_v; returns the
+    final state. The kernel's arguments come grouped as the kernel builds them, once for its three calls: ``io``
+    (the pointers), ``sizes`` (n, heads, seg_len, num_seg), ``strides`` (batch and head strides of Q, K, V, O) and
+    ``consts`` (its compile-time constants: a tuple assigned as ``tl.constexpr``, since a plain assignment would
+    turn its values into tensors). An exact program (SAFE) stores no states: the fast program's stand."""
+    Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY = io
+    n, H, seg_len, num_seg = sizes
+    sqb, sqh, skb, skh, svb, svh, sob, soh = strides
+    (sqn, skn, svn, son, D_K, D_V, PAD_K, BLOCK_DV, BLOCK, REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC,
+     PRECISION, CONTIGUOUS, SEG_T) = consts
     log2_lam = tl.load(LOG2_DECAY + bh % H)
     Q += head_offset(bh, H, n, D_K, sqb, sqh, CONTIGUOUS)
     K += head_offset(bh, H, n, D_K, skb, skh, CONTIGUOUS)
@@ -241,7 +246,8 @@ def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh
     kv = _incoming_state(S0, SEG, seg, log2_lam, seg_len, state_offs, state_ok,
                          D_K, D_V, PAD_K, BLOCK_DV, HAS_S0, SEG_IS_INCOMING, SEG_T)
     if STORE_INC:
-        tl.store(INC + seg * D_K * D_V + state_offs, kv, mask=state_ok)
+        if not SAFE:
+            tl.store(INC + seg * D_K * D_V + state_offs, kv, mask=state_ok)
     mask = decay_tile(log2_lam, offs_r, offs_r, SAFE)  # M: lambda^(r-s) on and below the diagonal
     q_scale = tl.exp2(log2_lam * (offs_r + 1).to(tl.float32))
     start = seg * seg_len
@@ -249,8 +255,9 @@ def _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh
     kv = _forward_sweep(Q, K, V, O, kv, start, end, n, log2_lam, offs_r, offs_k, offs_v, k_ok, v_ok, mask,
                         q_scale, sqn, skn, svn, son, D_K, D_V, BLOCK, REVERSE, PRECISION, SAFE)
     if STORE_SN:
-        if seg == num_seg - 1:
-            tl.store(SN + state_offs, kv, mask=state_ok)
+        if not SAFE:
+            if seg == num_seg - 1:
+                tl.store(SN + state_offs, kv, mask=state_ok)
     return kv
 
 
@@ -276,38 +283,33 @@ def _la2_fast_forward_kernel(
     that the backward's dQ pass can start every segment without a pre-pass over K and V. SEG_T: SEG holds
     states saved by another pass, transposed (the dQ pass reads the forward's, the dK pass the dV pass's).
     Two passes (_tiles): the fast one flags programs whose final state is non-finite; the exact one (SAFE,
-    grid from _tiles.exact_pass_grid, STORE_SN and STORE_INC off) redoes them with exact tiles. With REDO the
-    fast program redoes itself, STORE_SN and STORE_INC off, when flagged (_tiles.flagged_here), and no exact
-    pass is launched.
+    grid from _tiles.exact_pass_grid) redoes them with exact tiles and stores no states. With REDO the fast
+    program redoes itself when flagged (_tiles.flagged_here), and no exact pass is launched.
     """
     slices: tl.constexpr = (D_V + BLOCK_DV - 1) // BLOCK_DV
     num_seg = tl.cdiv(n, seg_len)
+    io = (Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY)
+    sizes = (n, H, seg_len, num_seg)
+    strides = (sqb, sqh, skb, skh, svb, svh, sob, soh)
+    consts: tl.constexpr = (sqn, skn, svn, son, D_K, D_V, PAD_K, BLOCK_DV, BLOCK, REVERSE, HAS_S0, STORE_SN,
+                            SEG_IS_INCOMING, STORE_INC, PRECISION, CONTIGUOUS, SEG_T)
     if SAFE:
         first, stop = flagged_range(FLAG, n_programs, SCAN)
         for i in range(first, stop):
             if tl.load(FLAG + i) != 0:
-                _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, i // slices // num_seg,
-                                 i // slices % num_seg, i % slices, num_seg, sqb, sqh, sqn, skb, skh, skn,
-                                 svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K, BLOCK_DV, BLOCK,
-                                 REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC, PRECISION, True, CONTIGUOUS,
-                                 SEG_T)
+                _forward_program(io, sizes, strides, consts, i // slices // num_seg, i // slices % num_seg,
+                                 i % slices, True)
     else:
         bh = tl.program_id(0)
         seg = tl.program_id(1)
         pid_v = tl.program_id(2)
         flag = FLAG + (bh * num_seg + seg) * slices + pid_v
         clear_flag(flag)
-        kv = _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
-                              sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K,
-                              BLOCK_DV, BLOCK, REVERSE, HAS_S0, STORE_SN, SEG_IS_INCOMING, STORE_INC,
-                              PRECISION, False, CONTIGUOUS, SEG_T)
+        kv = _forward_program(io, sizes, strides, consts, bh, seg, pid_v, False)
         flag_nonfinite(flag, kv)  # a non-finite K or V entry always leaves the state non-finite (0 * NaN = NaN)
         if REDO:  # the exact pass of this program, here (plan.Settings.exact_in_place); its states stand
             if flagged_here(flag):
-                _forward_program(Q, K, V, O, S0, SN, SEG, INC, LOG2_DECAY, n, H, seg_len, bh, seg, pid_v, num_seg,
-                                 sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son, D_K, D_V, PAD_K,
-                                 BLOCK_DV, BLOCK, REVERSE, HAS_S0, False, SEG_IS_INCOMING, False,
-                                 PRECISION, True, CONTIGUOUS, SEG_T)
+                _forward_program(io, sizes, strides, consts, bh, seg, pid_v, True)
 
 
 @triton.jit
