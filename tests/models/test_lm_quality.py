@@ -755,6 +755,7 @@ def test_turn_step_is_the_first_logged_step_below_the_threshold():
 @pytest.mark.parametrize("name, experiment, changed", [
     ("quality_lm_h200.json", "lm", {"seeds": [0, 1, 2]}),
     ("quality_mqar_conv_h200.json", "mqar", {"steps": 1500, "short_conv": 4}),
+    ("quality_mqar_h200.json", "mqar", {"steps": 1500}),
 ])
 def test_recorded_over_seeds(name, experiment, changed):
     # The records chapter 13 reads over seeds: the code's preset but for what their command changed, and every

@@ -235,15 +235,26 @@ def test_main_argument_errors(tmp_path):
 
 # ---------------------------------------------------------------- the recorded runs
 
-SIZE_OF_FILE = {"tgs_h100_04b.json": "0.4B", "tgs_h100_01b.json": "0.1B"}
+SIZES_OF_FILE = {"tgs_h100_04b.json": ("0.4B",), "tgs_h100_01b.json": ("0.1B",), "tgs_h200.json": ("0.4B", "0.1B")}
 
 
-@pytest.fixture(params=sorted(SIZE_OF_FILE))
+@pytest.fixture(params=[(name, size) for name, sizes in sorted(SIZES_OF_FILE.items()) for size in sizes],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def recorded(request):
-    path = DATA / request.param
+    name, size = request.param
+    path = DATA / name
     if not path.exists():
-        pytest.skip(f"{request.param} not recorded")
-    return SIZE_OF_FILE[request.param], json.loads(path.read_text())
+        pytest.skip(f"{name} not recorded")
+    return size, json.loads(path.read_text())
+
+
+def _asked(command: str, flag: str, default):
+    # the values the record's command gave a flag (nargs="+"), or the driver's default
+    words = command.split()
+    if flag not in words:
+        return list(default)
+    after = words[words.index(flag) + 1:]
+    return after[:next((i for i, w in enumerate(after) if w.startswith("--")), len(after))]
 
 
 def test_recorded_paper_table_is_the_codes(recorded):
@@ -256,24 +267,33 @@ def test_recorded_models_are_the_codes(recorded):
     # a size whose shape changed since the record was made fails here (the formula itself: test_build)
     size, record = recorded
     d, layers = SIZES[size]["d_model"], SIZES[size]["layers"]
-    for r in record["results"]:
+    points = [r for r in record["results"] if r["size"] == size]
+    assert points, f"no {size} point"
+    for r in points:
         assert r["model"] in MODELS, r
         extra = 0 if r["model"] == "llama" else d  # TransNormerLLM's output norm
         assert r["params"] == _n_params(record["vocab"], d, layers, extra), r
 
 
 def test_recorded_covers_every_point(recorded):
+    # every (model, context) the record's command asked for at this size is measured or skipped with a reason, once
     size, record = recorded
-    measured = [(r["model"], r["context"]) for r in record["results"]]
+    assert size in _asked(record["command"], "--sizes", ("0.4B", "0.1B"))
+    models = _asked(record["command"], "--models", MODELS)
+    contexts = [int(T) for T in _asked(record["command"], "--contexts", PAPER_TABLE1["contexts"])]
+    assert set(contexts) <= set(PAPER_TABLE1["contexts"])  # the chapter compares them with the paper's columns
+    measured = [(r["model"], r["context"]) for r in record["results"] if r["size"] == size]
     assert len(measured) == len(set(measured))
     left = set()
     for s in record["skipped"]:
+        if not s.startswith(f"{size} "):
+            continue
         m = re.fullmatch(rf"{re.escape(size)} (\w+) (\d+): over the time budget", s)
         if m:
             left.add((m.group(1), int(m.group(2))))
         else:  # a model that could not be built (fla missing): all its contexts
             m = re.fullmatch(rf"{re.escape(size)} (\w+): .+", s)
             assert m, s
-            left.update((m.group(1), T) for T in PAPER_TABLE1["contexts"])
+            left.update((m.group(1), T) for T in contexts)
     assert not left & set(measured)
-    assert set(measured) | left == {(m, T) for m in MODELS for T in PAPER_TABLE1["contexts"]}
+    assert set(measured) | left == {(m, T) for m in models for T in contexts}
