@@ -6,6 +6,8 @@ test_exercises_ch01_03.py, NaN answers to 6.2 in test_exercises_ch06.py.)
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -63,6 +65,20 @@ def test_a_row_loop_over_the_right_product_is_linear_and_passes(capsys):
 
     check_right_product(rows_of_the_right_product)
     assert "Correct" in capsys.readouterr().out
+
+
+def test_the_time_check_counts_work_not_waiting(capsys):
+    # A grader's machine is shared: while another process holds the core, a call waits. The check times CPU
+    # work, so a linear answer that waits at the long length (here: sleeps, as a preempted call would) passes,
+    # and the row loop, whose work is quadratic, is caught whatever the wall clock says.
+    def waits_at_the_long_length(q, k, v):
+        if q.shape[2] > 1000:
+            time.sleep(0.2)  # 0.2 s of wall time: against ~1 ms at n = 256 that is a ratio far above the limit
+        return q @ (k.swapaxes(-1, -2) @ v)
+
+    check_right_product(waits_at_the_long_length)
+    assert "Correct" in capsys.readouterr().out
+    assert "its time grows like n^2" in _message(check_right_product, row_by_row_left_product)
 
 
 # ---------------------------------------------------------------- 3.2: powers counted from the start, lambda^2
