@@ -88,9 +88,9 @@ def _linear_time(name: str, fn, seed: int, hint: str) -> None:
         return t_long > _TIME_FLOOR and t_long / max(t_short, 1e-6) > _TIME_RATIO
 
     if quadratic(t_long):
-        # One slow call can be the machine's (another process, a pause): a linear answer once took 183 ms at
-        # n = 16384 in one call on a 2-core machine, 237 times its time at n = 256. Before calling it quadratic,
-        # the best of three more calls (a quadratic answer keeps its ratio in every one of them).
+        # CPU time is not stretched by another process's load, but one call can still cost more than its work
+        # (its first touch of memory, a cache another process emptied). Before calling it quadratic, the best
+        # of three more calls (a quadratic answer keeps its ratio in every one of them).
         t_long = min(t_long, _best_seconds(fn, *long, repeat=3, patient=True))
     if quadratic(t_long):
         ratio = t_long / max(t_short, 1e-6)
