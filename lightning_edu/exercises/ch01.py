@@ -57,6 +57,10 @@ _TIME_LENGTHS = (256, 16384)
 _TIME_D = 16
 _TIME_RATIO = 200.0
 _TIME_FLOOR = 0.02  # seconds at the long length below which nothing is called quadratic
+# Calls timed at the short length, the least kept. There a call costs a few milliseconds and the ratio is most
+# sensitive to it: a call slowed by another process (a cache it emptied) lowers the ratio, the least of many
+# is the call's floor.
+_SHORT_REPEATS = 30
 
 
 _MEMORY_N, _MEMORY_D = 2048, 4  # the shape (n, d) at which the memory checks of 1.1 and 1.3 look for an n x n matrix
@@ -82,7 +86,7 @@ def _linear_time(name: str, fn, seed: int, hint: str) -> None:
     """Refuse ``fn`` whose time grows like n^2: a loop over the rows of Q, each against all of K, needs no n x n
     matrix (so the memory check passes) and still does the left product's work."""
     short, long = (random_qkv(1, 1, length, _TIME_D, seed=seed) for length in _TIME_LENGTHS)
-    t_short, t_long = _best_seconds(fn, *short, repeat=5), _best_seconds(fn, *long)
+    t_short, t_long = _best_seconds(fn, *short, repeat=_SHORT_REPEATS), _best_seconds(fn, *long)
 
     def quadratic(t_long):
         return t_long > _TIME_FLOOR and t_long / max(t_short, 1e-6) > _TIME_RATIO
